@@ -1,0 +1,1 @@
+"""Driving samples: the sample type and its storage, and the simulator that makes them."""

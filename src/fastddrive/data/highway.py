@@ -1,0 +1,388 @@
+"""Driving samples from highway-env with the simulator's own IDM/MOBIL driver as the expert (DESIGN 8).
+
+An episode is seeded, simulated at 12 Hz and recorded at 4 Hz (the future's rate). The ego is
+replaced by an `IDMVehicle` copy of itself, so the expert is the same driver model as the traffic.
+A sample is taken every 1 s once 3 s of history exist and while 5 s of future remain before a crash,
+the end of the road or the end of the episode.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fastddrive.data import labels as rules
+from fastddrive.data.sample import (
+    FUTURE_STEPS,
+    HISTORY_STEPS,
+    CameraView,
+    DrivingSample,
+)
+from fastddrive.schema import DrivingResponse
+
+# pygame must draw offscreen: the "dummy" driver silently renders all-black frames.
+os.environ["SDL_VIDEODRIVER"] = "offscreen"
+os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")
+
+import gymnasium as gym  # noqa: E402
+import highway_env  # noqa: E402,F401  (registers the environments)
+from highway_env.vehicle.behavior import IDMVehicle  # noqa: E402
+from highway_env.vehicle.graphics import VehicleGraphics  # noqa: E402
+
+STEP_HZ = 4  # recording rate = future rate
+SIMULATION_HZ = 12  # a multiple of STEP_HZ; highway-env itself runs 5..15 Hz
+SAMPLE_EVERY_STEPS = STEP_HZ  # one sample per second
+HISTORY_STRIDE = 2  # 0.5 s at 4 Hz
+FRAME_SIZE_PX = (448, 224)  # width, height: 16 x 8 Qwen2.5-VL units of 28 px
+ROUTE_LOOKAHEAD_M = 300.0
+COMMAND_TURN_RAD = np.deg2rad(30.0)
+AGENT_RADIUS_M = 80.0
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A highway-env environment, its settings, and the expert's desired-speed range (m/s)."""
+
+    env_id: str
+    config: dict[str, Any]
+    max_duration_s: float
+    expert_speed_mps: tuple[float, float] | None = None
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "highway": Scenario(
+        "highway-fast-v0", {"lanes_count": 3, "vehicles_count": 25, "vehicles_density": 1.5}, 40.0, (22.0, 33.0)
+    ),
+    "merge": Scenario("merge-v0", {}, 40.0, (20.0, 30.0)),
+    "exit": Scenario("exit-v0", {"vehicles_count": 15}, 40.0, (20.0, 30.0)),
+    "roundabout": Scenario("roundabout-v0", {}, 40.0),
+    "intersection": Scenario("intersection-v0", {"destination": None}, 25.0),
+}
+ROUNDABOUT_EXITS = ("exr", "nxr", "wxr", "sxr")
+
+
+class UnknownScenario(ValueError):
+    pass
+
+
+def check_scenarios(names: list[str]) -> list[str]:
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        raise UnknownScenario(f"unknown scenario {unknown[0]!r}; known: {', '.join(SCENARIOS)}")
+    if not names:
+        raise UnknownScenario(f"no scenario given; known: {', '.join(SCENARIOS)}")
+    return names
+
+
+class ExpertVehicle(IDMVehicle):
+    """The IDM/MOBIL expert in the ego seat; always drawn in the ego colour.
+
+    `color` is a property because highway-env's road regulation sets and deletes it on yielding cars.
+    """
+
+    color = property(lambda self: VehicleGraphics.EGO_COLOR, lambda self, value: None, lambda self: None)
+
+
+@dataclass
+class VehicleState:
+    position: np.ndarray
+    heading: float
+    speed: float
+    velocity: np.ndarray
+    crashed: bool
+    size: tuple[float, float]
+
+
+@dataclass
+class Step:
+    """The scene at one 4 Hz step (world frame of the simulator: x right, y down, metres)."""
+
+    time_s: float
+    ego: VehicleState
+    lane_change: int  # +1 left, -1 right, 0: lane change completed on this step
+    yielding: bool
+    route_turn_rad: float  # signed turn of the planned route ahead, left positive
+    lane_heading: float  # heading of the lane under the ego (world, rad): road geometry, not steering
+    others: dict[int, VehicleState]
+    frame: np.ndarray | None = None
+
+
+@dataclass
+class EpisodeLog:
+    scenario: str
+    seed: int
+    steps: list[Step] = field(default_factory=list)
+    end_reason: str = "duration"
+    pixels_per_metre: float = 5.5
+    ego_pixel: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def usable_steps(self) -> int:
+        """Steps before the crash (a crashed step and the 5 s before it are not a safe expert)."""
+        return len(self.steps) - 1 if self.end_reason == "crash" else len(self.steps)
+
+
+def make_env(scenario: str) -> gym.Env:
+    spec = SCENARIOS[scenario]
+    config = {
+        **spec.config,
+        "simulation_frequency": SIMULATION_HZ,
+        "policy_frequency": STEP_HZ,
+        "duration": 10 * spec.max_duration_s,
+        "screen_width": FRAME_SIZE_PX[0],
+        "screen_height": FRAME_SIZE_PX[1],
+        "offscreen_rendering": True,
+        "render_agent": True,
+        # The gym observation is never read; the cheapest one saves a fifth of the run time.
+        "observation": {"type": "Kinematics", "vehicles_count": 1, "normalize": False},
+    }
+    # The classic v0 scenes are kept on purpose (the v1 ones use another road model), so their
+    # "out of date" notice is silenced; the passive checker only checks the unread observation.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is out of date.*")
+        return gym.make(spec.env_id, render_mode="rgb_array", config=config, disable_env_checker=True)
+
+
+def install_expert(env: gym.Env, scenario: Scenario, rng: np.random.Generator) -> ExpertVehicle:
+    """Replace the ego by an IDM/MOBIL copy of itself; give it a route and a desired speed."""
+    sim = env.unwrapped
+    ego = sim.vehicle
+    expert = ExpertVehicle.create_from(ego)
+    sim.road.vehicles[sim.road.vehicles.index(ego)] = expert
+    sim.controlled_vehicles[0] = expert
+    net = sim.road.network
+    if "exit" in net.graph.get("2", {}) and rng.random() < 0.5:
+        lanes = len(net.graph["0"]["1"])
+        # A route naming a lane makes MOBIL change lanes towards it (highway-env's own mechanism).
+        expert.route = [("0", "1", lanes - 1), ("1", "2", lanes), ("2", "exit", 0)]
+    elif "ser" in net.graph:
+        expert.plan_route_to(str(rng.choice(ROUNDABOUT_EXITS)))
+    if scenario.expert_speed_mps is not None:
+        # A desired speed above the traffic's makes MOBIL overtake; below it, follow and get passed.
+        expert.target_speed = float(rng.uniform(*scenario.expert_speed_mps))
+    return expert
+
+
+def route_turn_rad(vehicle: IDMVehicle, lookahead_m: float = ROUTE_LOOKAHEAD_M) -> float:
+    """Signed heading change of the road the vehicle will follow in the next `lookahead_m`, left positive."""
+    net = vehicle.road.network
+    lanes = [vehicle.lane_index] + [r for r in (vehicle.route or []) if r[:2] != vehicle.lane_index[:2]]
+    start, _ = vehicle.lane.local_coordinates(vehicle.position)
+    headings: list[float] = []
+    remaining = lookahead_m
+    for index in lanes:
+        lane = net.get_lane(index if index[2] is not None else (*index[:2], 0))
+        s = np.arange(max(start, 0.0), min(lane.length, max(start, 0.0) + remaining), 2.0)
+        headings += [lane.heading_at(x) for x in s]
+        remaining -= lane.length - max(start, 0.0)
+        start = 0.0
+        if remaining <= 0:
+            break
+    if len(headings) < 2:
+        return 0.0
+    unwrapped = np.unwrap(headings)
+    return float(-(unwrapped[-1] - unwrapped[0]))  # world y points down: clockwise is a right turn
+
+
+def _state(vehicle: Any) -> VehicleState:
+    return VehicleState(
+        position=np.array(vehicle.position, dtype=float),
+        heading=float(vehicle.heading),
+        speed=float(vehicle.speed),
+        velocity=np.array(vehicle.velocity, dtype=float),
+        crashed=bool(vehicle.crashed),
+        size=(float(vehicle.LENGTH), float(vehicle.WIDTH)),
+    )
+
+
+def _lane_change(expert: IDMVehicle, previous: tuple, current: tuple) -> int:
+    if previous[:2] != current[:2] or previous[2] == current[2]:
+        return 0
+    net = expert.road.network
+    old, new = net.get_lane(previous), net.get_lane(current)
+    s, _ = new.local_coordinates(expert.position)
+    _, lateral = old.local_coordinates(new.position(s, 0.0))
+    return 1 if lateral < 0 else -1  # lateral grows to the driver's right in highway-env
+
+
+def _end_of_road(expert: IDMVehicle, planned: bool) -> bool:
+    """The lane ends with no road after it, or with the planned route used up.
+
+    (The intersection's graph loops back into the junction: past its route the expert would wander.)
+    """
+    if not expert.lane.after_end(expert.position):
+        return False
+    remaining = [r for r in (expert.route or []) if r[:2] != expert.lane_index[:2]]
+    return not expert.road.network.graph.get(expert.lane_index[1]) or (planned and not remaining)
+
+
+def simulate_episode(
+    scenario: str,
+    seed: int,
+    max_duration_s: float | None = None,
+    setup: Callable[[gym.Env, ExpertVehicle], None] | None = None,
+) -> EpisodeLog:
+    """Run one seeded episode with the expert; record every 0.25 s and render every 1 s from 3 s on.
+
+    `setup(env, expert)`, if given, runs once before the first step to stage a situation.
+    """
+    spec = SCENARIOS[scenario]
+    duration = spec.max_duration_s if max_duration_s is None else max_duration_s
+    env = make_env(scenario)
+    try:
+        env.reset(seed=seed)
+        sim = env.unwrapped
+        expert = install_expert(env, spec, np.random.default_rng(seed))
+        planned = bool(expert.route)
+        if setup is not None:
+            setup(env, expert)
+        idle = sim.action_type.actions_indexes["IDLE"]
+        log = EpisodeLog(scenario, seed, pixels_per_metre=float(sim.config["scaling"]))
+        centering = sim.config["centering_position"]
+        log.ego_pixel = (centering[0] * FRAME_SIZE_PX[0], centering[1] * FRAME_SIZE_PX[1])
+        lane = expert.lane_index
+        k = 0
+        while True:
+            step = Step(
+                time_s=float(sim.time),
+                ego=_state(expert),
+                lane_change=_lane_change(expert, lane, expert.lane_index),
+                yielding=bool(getattr(expert, "is_yielding", False)),
+                route_turn_rad=route_turn_rad(expert),
+                lane_heading=float(expert.lane.heading_at(expert.lane.local_coordinates(expert.position)[0])),
+                others={id(v): _state(v) for v in sim.road.vehicles if v is not expert},
+            )
+            lane = expert.lane_index
+            if k % SAMPLE_EVERY_STEPS == 0 and k >= (HISTORY_STEPS - 1) * HISTORY_STRIDE:
+                step.frame = env.render()
+            log.steps.append(step)
+            if expert.crashed:
+                log.end_reason = "crash"
+                break
+            if _end_of_road(expert, planned):
+                log.end_reason = "end_of_road"
+                break
+            if sim.time >= duration - 1e-9:
+                break
+            sim.step(idle)
+            k += 1
+        return log
+    finally:
+        env.close()
+
+
+def _to_ego(points: np.ndarray, origin: np.ndarray, heading: float) -> np.ndarray:
+    """World points (..., 2) to the ego frame at (origin, heading): +x forward, +y left."""
+    c, s = np.cos(heading), np.sin(heading)
+    d = points - origin
+    return np.stack([c * d[..., 0] + s * d[..., 1], s * d[..., 0] - c * d[..., 1]], axis=-1)
+
+
+def _rotate_to_ego(vectors: np.ndarray, heading: float) -> np.ndarray:
+    return _to_ego(vectors, np.zeros(2), heading)
+
+
+def _wrap(angle: np.ndarray | float) -> np.ndarray | float:
+    return (np.asarray(angle) + np.pi) % (2 * np.pi) - np.pi
+
+
+def command_of(route_turn: float) -> str:
+    if route_turn > COMMAND_TURN_RAD:
+        return "go_left"
+    if route_turn < -COMMAND_TURN_RAD:
+        return "go_right"
+    return "go_straight"
+
+
+def sample_steps(log: EpisodeLog) -> list[int]:
+    """Step indices that make a sample: every 1 s, 3 s of history behind, 5 s of future ahead."""
+    first = (HISTORY_STEPS - 1) * HISTORY_STRIDE
+    last = log.usable_steps - 1 - FUTURE_STEPS
+    return [k for k in range(first, last + 1) if k % SAMPLE_EVERY_STEPS == 0 and log.steps[k].frame is not None]
+
+
+def build_sample(log: EpisodeLog, k: int) -> DrivingSample:
+    """The sample at step k of an episode: frame, history, command, expert future and target answer."""
+    steps = log.steps
+    now = steps[k].ego
+    origin, heading = now.position, now.heading
+    dt = 1.0 / STEP_HZ
+
+    past = range(k - (HISTORY_STEPS - 1) * HISTORY_STRIDE, k + 1, HISTORY_STRIDE)
+    positions = _to_ego(np.array([steps[j].ego.position for j in past]), origin, heading)
+    velocities = _rotate_to_ego(np.array([steps[j].ego.velocity for j in past]), heading)
+    # Backward differences: the acceleration at t = 0 must not peek into the future.
+    accel_world = np.array([(steps[j].ego.velocity - steps[max(j - 1, 0)].ego.velocity) / dt for j in past])
+    history = np.concatenate([positions, velocities, _rotate_to_ego(accel_world, heading)], axis=1)
+
+    ahead = range(k + 1, k + FUTURE_STEPS + 1)
+    future = _to_ego(np.array([steps[j].ego.position for j in ahead]), origin, heading)
+    future_time = np.array([steps[j].time_s - steps[k].time_s for j in ahead])
+    ego_speed = np.array([steps[j].ego.speed for j in range(k, k + FUTURE_STEPS + 1)])
+    # Turns are read off the road (lane heading), so a lane change in progress is not a "curve".
+    heading_change = float(-_wrap(steps[k + FUTURE_STEPS].lane_heading - steps[k].lane_heading))
+    lane_change = next((steps[j].lane_change for j in ahead if steps[j].lane_change), 0)
+    yielding = any(steps[j].yielding for j in range(k, k + STEP_HZ + 1))
+
+    keys = [key for key, v in steps[k].others.items() if np.linalg.norm(v.position - origin) < AGENT_RADIUS_M]
+    agents = np.full((len(keys), FUTURE_STEPS + 1, 3), np.nan)
+    for a, key in enumerate(keys):
+        for t, j in enumerate(range(k, k + FUTURE_STEPS + 1)):
+            state = steps[j].others.get(key)
+            if state is not None:
+                agents[a, t, :2] = _to_ego(state.position, origin, heading)
+                agents[a, t, 2] = -_wrap(state.heading - heading)
+    agent_size = np.array([steps[k].others[key].size for key in keys]).reshape(len(keys), 2)
+    command = command_of(steps[k].route_turn_rad)
+    scene = rules.Scene(
+        scenario=log.scenario,
+        command=command,
+        ego_speed=ego_speed,
+        ego_future=future,
+        heading_change_rad=heading_change,
+        lane_change=lane_change,
+        yielding=yielding,
+        agents=agents,
+        agent_speed=np.array([steps[k].others[key].speed for key in keys]),
+        agent_crashed=np.array([steps[k].others[key].crashed for key in keys], dtype=bool),
+    )
+    found = rules.label(scene)
+    rng = np.random.default_rng([log.seed, k])
+    response = DrivingResponse(
+        critical_objects=found.critical_objects,
+        explanation=rules.explanation(found, log.scenario, rng),
+        future_meta_behavior=found.meta,
+        trajectory=future[STEP_HZ - 1 :: STEP_HZ],
+    )
+    return DrivingSample(
+        sample_id=f"{log.scenario}-{log.seed}-{k // STEP_HZ:03d}s",
+        scenario=log.scenario,
+        episode_seed=log.seed,
+        time_s=steps[k].time_s,
+        image=steps[k].frame,
+        history=history,
+        command=command,
+        future=future,
+        future_time_s=future_time,
+        response=response,
+        view=CameraView(log.pixels_per_metre, log.ego_pixel, heading),
+        ego_size=now.size,
+        agents=agents,
+        agent_size=agent_size,
+    )
+
+
+def episode_samples(
+    scenario: str,
+    seed: int,
+    max_duration_s: float | None = None,
+    setup: Callable[[gym.Env, ExpertVehicle], None] | None = None,
+) -> list[DrivingSample]:
+    """All samples of one seeded episode."""
+    log = simulate_episode(scenario, seed, max_duration_s, setup)
+    return [build_sample(log, k) for k in sample_steps(log)]

@@ -1,0 +1,52 @@
+"""Pictures people look at: trajectories drawn over the scene."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from fastddrive.data.sample import DrivingSample  # noqa: E402
+
+
+def draw_scene(
+    sample: DrivingSample,
+    path: str | Path,
+    trajectories: Mapping[str, np.ndarray] | None = None,
+    title: str | None = None,
+) -> Path:
+    """Write a PNG of the frame with the ego history, the expert future and any other trajectories.
+
+    `trajectories` maps a label to ego-frame points (N, 2) in metres (for example a decoder's plan).
+    """
+    image = sample.image
+    h, w = image.shape[:2]
+    fig, ax = plt.subplots(figsize=(w / 60, h / 60 + 0.5), dpi=100)
+    ax.imshow(image)
+    ax.set_xlim(0, w)
+    ax.set_ylim(h, 0)
+    ax.axis("off")
+    to_px = sample.view.to_pixels
+    history = to_px(sample.history[:, :2])
+    ax.plot(history[:, 0], history[:, 1], "o-", color="black", ms=3, lw=1.5, label="history (3 s)")
+    future = to_px(np.vstack([[0.0, 0.0], sample.future]))
+    ax.plot(future[:, 0], future[:, 1], "-", color="tab:green", lw=2, label="expert future (5 s)")
+    waypoints = to_px(np.asarray(sample.response.trajectory))
+    ax.plot(waypoints[:, 0], waypoints[:, 1], "s", color="tab:green", ms=4)
+    colours = iter(["tab:red", "tab:purple", "tab:orange", "tab:blue", "tab:brown", "tab:pink"])
+    for name, points in (trajectories or {}).items():
+        px = to_px(np.vstack([[0.0, 0.0], np.asarray(points, dtype=float)]))
+        ax.plot(px[:, 0], px[:, 1], "x--", color=next(colours), ms=4, lw=1.5, label=name)
+    ax.legend(loc="lower left", fontsize=6, framealpha=0.7)
+    meta = sample.response.future_meta_behavior
+    ax.set_title(title or f"{sample.sample_id}  {sample.command}  {meta.longitudinal}/{meta.lateral}", fontsize=7)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+    return path

@@ -1,0 +1,42 @@
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["SDL_VIDEODRIVER"] = "offscreen"
+
+import pytest  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from fastddrive.schema import (  # noqa: E402
+    COORD_LIMIT_M,
+    CRITICAL_OBJECT_CLASSES,
+    LATERAL_BEHAVIORS,
+    LONGITUDINAL_BEHAVIORS,
+    NUM_WAYPOINTS,
+    DrivingResponse,
+    MetaBehavior,
+)
+from fastddrive.tokenizer import default_tokenizer_path, load_tokenizer  # noqa: E402
+
+coordinates = st.floats(min_value=-COORD_LIMIT_M, max_value=COORD_LIMIT_M, allow_nan=False)
+explanations = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=300)
+
+
+@st.composite
+def responses(draw: st.DrawFn, explanation: st.SearchStrategy[str] = explanations) -> DrivingResponse:
+    """Any valid driving response."""
+    return DrivingResponse(
+        critical_objects={name: draw(st.booleans()) for name in CRITICAL_OBJECT_CLASSES},
+        explanation=draw(explanation),
+        future_meta_behavior=MetaBehavior(
+            longitudinal=draw(st.sampled_from(LONGITUDINAL_BEHAVIORS)),
+            lateral=draw(st.sampled_from(LATERAL_BEHAVIORS)),
+        ),
+        trajectory=[(draw(coordinates), draw(coordinates)) for _ in range(NUM_WAYPOINTS)],
+    )
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The tokenizer that ships inside the package."""
+    return load_tokenizer(default_tokenizer_path())

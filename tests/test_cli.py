@@ -1,0 +1,139 @@
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from fastddrive.cli import app
+from fastddrive.data import build
+from fastddrive.data.sample import DrivingDataset
+
+runner = CliRunner()
+
+
+def _run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def small_dataset(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data") / "merge"
+    result = _run("data", "highway", "--out", out, "--episodes", 2, "--scenarios", "merge", "--seed", 5)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_generation_writes_episode_shards_in_splits(small_dataset):
+    dataset = DrivingDataset.open(small_dataset)
+    assert dataset.manifest["complete"] is True
+    assert [len(dataset.shards(s)) for s in ("train", "val", "test")] == [1, 0, 1]
+    train = {s.episode_seed for s in dataset.samples("train")}
+    test = {s.episode_seed for s in dataset.samples("test")}
+    assert train and test and not train & test  # no scene in two splits
+    assert len(dataset) > 10
+
+
+def test_show_prints_the_target_json_and_draws_it(small_dataset, tmp_path):
+    png = tmp_path / "scene.png"
+    result = _run("data", "show", small_dataset, "--split", "test", "--index", 1, "--png", png)
+    assert result.exit_code == 0, result.output
+    assert '"critical_objects"' in result.output and '"trajectory"' in result.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_stats_reports_distribution_truncations_and_the_scaffold_table(small_dataset, tmp_path):
+    figures = tmp_path / "stats.json"
+    result = _run("data", "stats", small_dataset, "--json", figures)
+    assert result.exit_code == 0, result.output
+    for needle in ("merge", "Longitudinal meta-behaviour", "explanations cut", "value share", "episode endings"):
+        assert needle in result.output
+    data = json.loads(figures.read_text())
+    assert sum(data["longitudinal"].values()) == sum(data["samples"].values())
+    assert data["scaffold"][-1]["section"] == "all"
+
+
+def test_unknown_scenario_lists_the_known_ones(tmp_path):
+    result = _run("data", "highway", "--out", tmp_path / "x", "--scenarios", "highway,moon")
+    assert result.exit_code == 2
+    assert "unknown scenario 'moon'" in result.output and "roundabout" in result.output
+    assert not (tmp_path / "x").exists()
+
+
+def test_existing_output_is_refused_without_overwrite(small_dataset):
+    before = {p: p.stat().st_mtime_ns for p in small_dataset.rglob("*")}
+    result = _run("data", "highway", "--out", small_dataset, "--episodes", 2, "--scenarios", "merge", "--seed", 5)
+    assert result.exit_code == 2 and "--overwrite" in result.output
+    other = _run("data", "highway", "--out", small_dataset, "--episodes", 3, "--scenarios", "merge")
+    assert other.exit_code == 2 and "other settings" in other.output
+    assert {p: p.stat().st_mtime_ns for p in small_dataset.rglob("*")} == before
+
+
+def test_a_folder_that_is_not_a_dataset_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    for args in (("data", "show", tmp_path), ("data", "stats", tmp_path)):
+        result = _run(*args)
+        assert result.exit_code == 2 and "not a fastddrive dataset" in result.output
+    result = _run("data", "highway", "--out", tmp_path, "--episodes", 1, "--scenarios", "merge", "--overwrite")
+    assert result.exit_code == 2 and "refusing to delete" in result.output
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    missing = _run("data", "show", tmp_path / "nope")
+    assert missing.exit_code == 2 and "is not a directory" in missing.output
+
+
+def test_an_out_of_range_index_is_a_clear_error(small_dataset):
+    result = _run("data", "show", small_dataset, "--split", "test", "--index", 10_000)
+    assert result.exit_code == 2 and "out of range" in result.output
+
+
+def test_an_interrupted_run_resumes_and_keeps_what_was_written(tmp_path):
+    out = tmp_path / "d"
+    build.build_dataset(out, 2, 9, ["merge"])
+    shards = sorted(out.rglob("*.parquet"))
+    kept, lost = shards
+    kept_mtime = kept.stat().st_mtime_ns
+    lost.unlink()  # as if the run had been killed before this episode was written
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
+
+    result = _run("data", "highway", "--out", out, "--episodes", 2, "--scenarios", "merge", "--seed", 9)
+    assert result.exit_code == 0, result.output
+    assert "resuming: 1 of 2 episodes already written" in result.output
+    assert kept.stat().st_mtime_ns == kept_mtime and lost.is_file()
+    assert json.loads((out / "manifest.json").read_text())["complete"] is True
+
+
+def test_a_failed_episode_is_reported_and_the_rest_completes(tmp_path, monkeypatch):
+    from fastddrive.data import highway
+
+    real = highway.simulate_episode
+
+    def flaky(scenario, seed, *args, **kwargs):
+        if seed == 11 * build.SEED_STRIDE + 1:
+            raise RuntimeError("simulator exploded")
+        return real(scenario, seed, *args, **kwargs)
+
+    monkeypatch.setattr(highway, "simulate_episode", flaky)
+    report = build.build_dataset(tmp_path / "d", 3, 11, ["merge"])
+    assert [r.job.index for r in report.failed] == [1]
+    assert "simulator exploded" in report.failed[0].error
+    assert len(list((tmp_path / "d").rglob("*.parquet"))) == 2
+    assert json.loads((tmp_path / "d" / "manifest.json").read_text())["complete"] is False
+
+    monkeypatch.setattr(highway, "simulate_episode", real)
+    again = build.build_dataset(tmp_path / "d", 3, 11, ["merge"])
+    assert again.skipped == 2 and not again.failed
+    assert len(list((tmp_path / "d").rglob("*.parquet"))) == 3
+
+
+def test_two_worker_processes_make_the_same_dataset_as_one(tmp_path):
+    one = build.build_dataset(tmp_path / "one", 2, 4, ["merge"], workers=1)
+    two = build.build_dataset(tmp_path / "two", 2, 4, ["merge"], workers=2)
+    assert one.samples == two.samples > 0
+    a, b = DrivingDataset.open(tmp_path / "one"), DrivingDataset.open(tmp_path / "two")
+    for split in ("train", "test"):
+        assert a.table(split, ["sample_id", "response"]).equals(b.table(split, ["sample_id", "response"]))
+
+
+def test_tokenizer_table_command():
+    result = _run("tokenizer", "table", "--block-size", 32)
+    assert result.exit_code == 0, result.output
+    assert "trajectory" in result.output and "slot budgets" in result.output
