@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import product
 from typing import Any
@@ -142,10 +142,6 @@ class DrivingResponse(BaseModel):
                 raise ValueError(f"waypoint {i} must be [x, y], got {len(point)} numbers")
             out.append(tuple(_coordinate(f"waypoint {i} {axis}", v) for axis, v in zip("xy", point, strict=True)))
         return tuple(out)
-
-    def to_json_dict(self) -> dict[str, Any]:
-        """The response as the JSON object `render` writes (trajectory as its quoted string)."""
-        return json.loads(render(self))
 
 
 def _as_flag(name: str, value: Any) -> bool:
@@ -282,12 +278,6 @@ def from_slot_values(values: Mapping[str, str]) -> DrivingResponse:
             "trajectory": trajectory,
         }
     )
-
-
-def iter_slot_names() -> Iterator[str]:
-    """All value-slot names in decode order (independent of the values)."""
-    reference = example_response()
-    return (p.slot for p in render_pieces(reference) if p.slot is not None)
 
 
 def parse(text: str) -> DrivingResponse:

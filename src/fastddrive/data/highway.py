@@ -123,7 +123,7 @@ class EpisodeLog:
 
     @property
     def usable_steps(self) -> int:
-        """Steps before the crash (a crashed step and the 5 s before it are not a safe expert)."""
+        """Steps before any crash; `sample_steps` keeps every sample's 5 s future inside them."""
         return len(self.steps) - 1 if self.end_reason == "crash" else len(self.steps)
 
 
