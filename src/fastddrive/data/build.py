@@ -177,13 +177,16 @@ def build_dataset(
             if on_episode:
                 on_episode(results[-1])
     else:
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+        try:
             futures = [pool.submit(run_episode, str(out), job) for job in todo]
             for future in as_completed(futures):
                 results.append(future.result())
                 if on_episode:
                     on_episode(results[-1])
+        finally:
+            # On Ctrl-C stop at once: queued episodes are cancelled, not run (a rerun resumes them).
+            pool.shutdown(wait=True, cancel_futures=True)
     failed = [r for r in results if r.error is not None]
     previous = json.loads(manifest_path.read_text()).get("end_reasons", {})
     ends = {f"{r.job.index:05d}-{r.job.scenario}": r.end_reason for r in results if r.error is None}
