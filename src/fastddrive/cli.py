@@ -99,7 +99,7 @@ def data_highway(
             report = build_dataset(out, episodes, seed, names, workers, overwrite, on_start, on_episode)
         except KeyboardInterrupt:
             progress.stop()
-            console.print(f"interrupted: the episodes written so far are kept in {out}; rerun the same command to resume")
+            console.print(f"interrupted: the episodes written so far are kept in {out}; rerun to resume")
             raise typer.Exit(130) from None
         finally:
             progress.stop()
