@@ -59,12 +59,12 @@ def test_the_camera_view_maps_forward_right_and_left_left():
     assert np.allclose(south.to_pixels(np.array([[0.0, 1.0]])), [[110.0, 50.0]])  # its left is east
 
 
-def test_the_prompt_has_one_row_per_history_step_and_validates():
+def test_the_prompt_states_velocity_acceleration_and_past_positions():
     history = np.arange(42, dtype=float).reshape(7, 6) / 10
     text = user_text("go_left", history)
-    assert text.startswith("Command: go_left.")
-    rows = text.splitlines()[2:]
-    assert len(rows) == 7 and rows[0] == "+0.0 +0.1 +0.2 +0.3 +0.4 +0.5"
+    assert text == (
+        "Command: go_left. Velocity +3.8 +3.9. Acceleration +4.0 +4.1. Past positions +0.0 +0.1 +1.2 +1.3 +2.4 +2.5."
+    )
     assert chat_text("go_left", history).count("<|image_pad|>") == 1
     assert chat_text("go_left", history).endswith("<|im_start|>assistant\n")
     with pytest.raises(SampleError, match="unknown navigation command"):

@@ -1,7 +1,8 @@
-"""The text the planner reads: system prompt, navigation command and ego history (no images here).
+"""The text the planner reads: system prompt, navigation command and ego state (no images here).
 
-Numbers are written with an explicit sign and one decimal so that every history row has the same
-token layout; image placeholders are expanded by the model's processor, not here.
+The sample keeps the whole history (7 x 6); the prompt states what a planner needs of it in few tokens:
+the velocity and acceleration now, and the positions 3, 2 and 1 s ago (ego frame at t = 0). Numbers
+carry an explicit sign and one decimal. Image placeholders are expanded by the model, not here.
 """
 
 from __future__ import annotations
@@ -10,29 +11,28 @@ import numpy as np
 
 from fastddrive.data.sample import check_command, check_history
 
-SYSTEM_PROMPT = (
-    "You are a driving planner. Given the camera view, the ego history and the navigation command, "
-    "answer in JSON with the critical objects, an explanation, the future meta behavior and the "
-    "trajectory: 5 waypoints at 1 s in the ego frame (+x forward, +y left, metres)."
-)
+SYSTEM_PROMPT = "You are a driving planner. Answer in JSON."
 VISION_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+PAST_ROWS = (0, 2, 4)  # history rows at t = -3, -2, -1 s
 
 
-def history_text(history: np.ndarray) -> str:
-    """History rows t = -3.0..0.0 s: x y [m], vx vy [m/s], ax ay [m/s^2], ego frame at t = 0."""
+def _numbers(values: np.ndarray) -> str:
+    return " ".join(f"{v:+.1f}" for v in values)
+
+
+def state_text(history: np.ndarray) -> str:
+    """Velocity [m/s] and acceleration [m/s^2] now, and x y [m] at -3, -2, -1 s; ego frame at t = 0."""
     check_history(history)
-    rows = (" ".join(f"{v:+.1f}" for v in row) for row in np.asarray(history, dtype=float))
-    return "\n".join(rows)
+    history = np.asarray(history, dtype=float)
+    now = history[-1]
+    past = history[list(PAST_ROWS), :2].ravel()
+    return f"Velocity {_numbers(now[2:4])}. Acceleration {_numbers(now[4:6])}. Past positions {_numbers(past)}."
 
 
 def user_text(command: str, history: np.ndarray) -> str:
-    """The user turn: the command, then the history table."""
+    """The user turn: the command, then the ego state."""
     check_command(command)
-    return (
-        f"Command: {command}.\n"
-        "Ego history, t = -3.0 to 0.0 s every 0.5 s, columns x y vx vy ax ay:\n"
-        f"{history_text(history)}"
-    )
+    return f"Command: {command}. {state_text(history)}"
 
 
 def chat_text(command: str, history: np.ndarray, images: int = 1) -> str:

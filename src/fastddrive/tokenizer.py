@@ -81,13 +81,20 @@ def default_tokenizer_path() -> Path:
     return Path(str(files("fastddrive") / "assets" / "tokenizer"))
 
 
-def corpus_texts(rows: Iterable[Mapping[str, Any]]) -> Iterator[str]:
-    """Training texts from dataset rows (command, history, response): prompts and answers."""
+def corpus_texts(rows: Iterable[Mapping[str, Any]], vocabulary_repeats: int = 20) -> Iterator[str]:
+    """Training texts from dataset rows (command, history, response): prompts and answers.
+
+    The schema's own vocabulary (every class and behaviour name) is added `vocabulary_repeats` times, so
+    that values a dataset happens not to contain (reverse, overtake, ...) still get compact tokens.
+    """
     import numpy as np
 
     from fastddrive.prompt import SYSTEM_PROMPT, user_text
+    from fastddrive.schema import CRITICAL_OBJECT_CLASSES, LATERAL_BEHAVIORS, LONGITUDINAL_BEHAVIORS
 
     yield SYSTEM_PROMPT
+    for _ in range(vocabulary_repeats):
+        yield from (f'"{word}"' for word in (*CRITICAL_OBJECT_CLASSES, *LONGITUDINAL_BEHAVIORS, *LATERAL_BEHAVIORS))
     for row in rows:
         history = np.asarray(row["history"], dtype=float).reshape(7, 6)
         yield user_text(row["command"], history)
