@@ -37,8 +37,19 @@ def user_errors() -> Iterator[None]:
     from fastddrive.data.sample import DatasetError, SampleError
     from fastddrive.schema import ResponseError
     from fastddrive.tokenizer import MissingDiffusionTokens
+    from fastddrive.train.checkpoint import CheckpointError
+    from fastddrive.train.config import ConfigError
 
-    known = (OutputExists, UnknownScenario, DatasetError, SampleError, ResponseError, MissingDiffusionTokens)
+    known = (
+        OutputExists,
+        UnknownScenario,
+        DatasetError,
+        SampleError,
+        ResponseError,
+        MissingDiffusionTokens,
+        ConfigError,
+        CheckpointError,
+    )
     try:
         yield
     except (*known, FileNotFoundError, IndexError) as err:
@@ -277,6 +288,55 @@ def tokenizer_table(
         "slot budgets: " + ", ".join(f"{name} {budget} x{n}" for (name, budget), n in sorted(budgets.items()))
     )
     console.print(f"blocks of at most {block_size}: {len(scaffold.blocks(block_size))}")
+
+
+@app.command("train")
+def train_command(
+    preset: Annotated[str | None, typer.Option(help="A preset from fastddrive/configs (tiny-ar, tiny-sasd, ...).")] = None,
+    config: Annotated[Path | None, typer.Option(help="A YAML config file instead of a preset.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Output folder (overrides the config).")] = None,
+    data: Annotated[Path | None, typer.Option(help="Dataset folder (overrides the config).")] = None,
+    steps: Annotated[int | None, typer.Option(help="Training steps (overrides the config).")] = None,
+    init_from: Annotated[str | None, typer.Option(help="Starting checkpoint (overrides the config).")] = None,
+    resume: Annotated[bool, typer.Option(help="Continue from the last valid checkpoint in --out.")] = False,
+) -> None:
+    """Train with the AR or SASD recipe; checkpoints are atomic and --resume continues exactly."""
+    from fastddrive.train.config import load_config
+    from fastddrive.train.loop import train
+
+    with user_errors():
+        settings = load_config(
+            preset,
+            config,
+            out=str(out) if out else None,
+            data=str(data) if data else None,
+            steps=steps,
+            init_from=init_from,
+        )
+    progress = _progress()
+    task = progress.add_task(settings.name, total=settings.steps, note="")
+
+    def on_step(step: int, total: int, metrics: dict[str, float]) -> None:
+        if not progress.live.is_started:
+            progress.start()
+            progress.update(task, completed=step - 1)
+        note = f"loss {metrics['loss']:.3f} (noisy {metrics['noisy_loss']:.3f}, clean {metrics['clean_loss']:.3f})"
+        if "val_ade5" in metrics:
+            progress.console.print(
+                f"step {step}: val loss {metrics['val_loss']:.3f}, greedy-AR ADE@3s {metrics['val_ade3']:.2f} m, "
+                f"ADE@5s {metrics['val_ade5']:.2f} m, invalid {metrics['val_invalid']}"
+            )
+        progress.update(task, completed=step, note=note)
+
+    try:
+        with user_errors():
+            report = train(settings, resume=resume, on_step=on_step, say=console.print)
+    finally:
+        progress.stop()
+    console.print(
+        f"trained {report.steps - report.resumed_from} steps in {report.seconds:.0f} s "
+        f"({report.steps_per_second:.2f} steps/s); final model in {report.final}"
+    )
 
 
 def main() -> None:

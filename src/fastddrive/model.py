@@ -115,24 +115,24 @@ def dual_stream_mask(
     clean tokens strictly before its block; C2C: clean tokens are causal. Padding sees only itself.
     """
     batch, k, r = block_start.shape
-    lc = int(clean_lengths.max()) if batch else 0
-    ln = k * r
-    total = ln + lc
-    allowed = torch.zeros(batch, total, total, dtype=torch.bool)
+    lc, ln = int(clean_lengths.max()), k * r
     clean_index = torch.arange(lc)
-    for b in range(batch):
-        n_clean = int(clean_lengths[b])
-        real_clean = clean_index < n_clean
-        causal = (clean_index[:, None] >= clean_index[None, :]) & real_clean[None, :] & real_clean[:, None]
-        allowed[b, ln:, ln:] = causal
-        starts = block_start[b].reshape(-1)  # (k * R,)
-        stream = torch.arange(k).repeat_interleave(r)
-        valid = starts >= 0
-        same_block = (stream[:, None] == stream[None, :]) & (starts[:, None] == starts[None, :])
-        allowed[b, :ln, :ln] = same_block & valid[:, None] & valid[None, :]
-        before_block = clean_index[None, :] < (int(response_start[b]) + starts)[:, None]
-        allowed[b, :ln, ln:] = before_block & valid[:, None] & real_clean[None, :]
-    allowed |= torch.eye(total, dtype=torch.bool)[None]  # padding rows must not be empty
+    real_clean = clean_index[None, :] < clean_lengths[:, None]  # (B, Lc)
+    starts = block_start.reshape(batch, ln)
+    valid = starts >= 0
+    stream = torch.arange(k).repeat_interleave(r)
+    allowed = torch.zeros(batch, ln + lc, ln + lc, dtype=torch.bool)
+    allowed[:, :ln, :ln] = (
+        (stream[:, None] == stream[None, :])[None]
+        & (starts[:, :, None] == starts[:, None, :])
+        & valid[:, :, None]
+        & valid[:, None, :]
+    )
+    block_begins = (response_start[:, None] + starts)[:, :, None]  # clean index where each noisy block starts
+    allowed[:, :ln, ln:] = (clean_index[None, None, :] < block_begins) & valid[:, :, None] & real_clean[:, None, :]
+    causal = clean_index[:, None] >= clean_index[None, :]
+    allowed[:, ln:, ln:] = causal[None] & real_clean[:, None, :] & real_clean[:, :, None]
+    allowed |= torch.eye(ln + lc, dtype=torch.bool)[None]  # padding rows must not be empty
     return allowed
 
 
@@ -198,9 +198,9 @@ class BlockDiffusionModel:
     def ensure_diffusion_tokens(self) -> DiffusionTokenIds:
         """Add |<MASK>| and <|NULL|> if missing, resizing the embeddings (and saying so)."""
         ids = add_diffusion_tokens(self.tokenizer)
-        if len(self.tokenizer) > self.model.get_input_embeddings().num_embeddings:
+        if len(self.tokenizer) > self.core.get_input_embeddings().num_embeddings:
             print(f"added {', '.join(ids.added)} to the tokenizer; resizing embeddings to {len(self.tokenizer)}")
-            self.model.resize_token_embeddings(len(self.tokenizer))
+            self.core.resize_token_embeddings(len(self.tokenizer))
         self.info.mask_token_id, self.info.null_token_id = ids.mask_id, ids.null_id
         return ids
 
@@ -209,7 +209,7 @@ class BlockDiffusionModel:
         path = Path(path)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(str(tmp), safe_serialization=True)
+        self.core.save_pretrained(str(tmp))
         self.tokenizer.save_pretrained(str(tmp))
         if self.image_processor is not None:
             self.image_processor.save_pretrained(str(tmp))
@@ -221,6 +221,11 @@ class BlockDiffusionModel:
             shutil.rmtree(old)
         else:
             os.replace(tmp, path)
+
+    @property
+    def core(self) -> PreTrainedModel:
+        """The transformers model itself, unwrapped from any distributed wrapper."""
+        return getattr(self.model, "module", self.model)
 
     @property
     def device(self) -> torch.device:
@@ -260,7 +265,7 @@ class BlockDiffusionModel:
         if grid is None or not token_type.any():
             positions = torch.arange(length).expand(3, batch, -1)
             return positions, torch.zeros(batch, dtype=torch.long)
-        positions, deltas = self.model.model.get_rope_index(
+        positions, deltas = self.core.model.get_rope_index(
             input_ids, mm_token_type_ids=token_type, image_grid_thw=grid
         )
         return positions, deltas.reshape(-1)
@@ -275,7 +280,7 @@ class BlockDiffusionModel:
         """Run the prompt causally; return the logits of its last position (V,) and the cache."""
         ids = prompt.input_ids.to(self.device)
         positions, deltas = self._rope_positions(prompt.input_ids, prompt.image_grid_thw)
-        cache = DynamicCache(config=self.model.config)
+        cache = DynamicCache(config=self.core.config)
         n = ids.shape[1]
         kwargs = {}
         if prompt.pixel_values is not None:
@@ -355,7 +360,7 @@ class BlockDiffusionModel:
             use_cache=False,
             **kwargs,
         ).logits
-        return logits[:, : k * r].reshape(batch, k, r, -1), logits[:, k * r :]
+        return logits[:, : k * r].reshape(batch, k, r, logits.shape[-1]), logits[:, k * r :]
 
 
 def _read_info(path: Path) -> CheckpointInfo:

@@ -1,0 +1,1 @@
+"""Decoders: each turns a prompt into response token ids with the model's heads."""

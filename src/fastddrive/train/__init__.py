@@ -1,0 +1,1 @@
+"""Training: presets, noise schedules, dual-stream batches, losses, checkpoints and the loop."""

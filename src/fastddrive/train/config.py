@@ -1,0 +1,130 @@
+"""Training configuration: small YAML presets validated by pydantic (an unknown key is an error)."""
+
+from __future__ import annotations
+
+from importlib.resources import files
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from fastddrive.schema import SECTIONS
+
+
+class ConfigError(ValueError):
+    """A training configuration that cannot be used, with the reason."""
+
+
+class TinyArchitecture(BaseModel):
+    """Sizes of a Qwen2.5-VL built from scratch (the embedded default)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hidden_size: int = 192
+    layers: int = 4
+    heads: int = 6
+    kv_heads: int = 2
+    intermediate_size: int = 512
+    vision_hidden_size: int = 96
+    vision_depth: int = 2
+    vision_heads: int = 2
+
+
+class TrainConfig(BaseModel):
+    """One training run. `recipe`: `ar` (causal LM loss only, the AR baseline) or `sasd` (paper 000 section
+    3.2 on the dual-stream objective of paper 002 section 3.3)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    recipe: Literal["ar", "sasd"]
+    init_from: str = Field(description="'scratch', 'embedded:NAME', or a local checkpoint folder")
+    data: str = "runs/sim"
+    out: str = "runs/model"
+    architecture: TinyArchitecture = TinyArchitecture()
+    image_max_pixels: int = 224 * 112
+    steps: int = 2000
+    batch_size: int = 8
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    block_size: int = 32
+    anneal_block_size: bool = True
+    alpha: float = 0.5
+    beta: float = 0.5
+    section_weights: dict[str, float] = {
+        "critical_objects": 1.5,
+        "explanation": 1.0,
+        "future_meta_behavior": 2.0,
+        "trajectory": 3.0,
+    }
+    section_noise: dict[str, tuple[float, float]] = {
+        "critical_objects": (1.0, 2.0),
+        "explanation": (1.0, 1.0),
+        "future_meta_behavior": (1.0, 1.5),
+        "trajectory": (2.0, 1.0),
+    }
+    explanation_budget: int = 32
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 2
+    validate_every: int = 200
+    validation_samples: int = 16
+    log_every: int = 10
+    seed: int = 0
+
+    @field_validator("section_weights", "section_noise")
+    @classmethod
+    def _every_section(cls, value: dict) -> dict:
+        unknown = set(value) - set(SECTIONS)
+        if unknown:
+            raise ValueError(f"unknown section {sorted(unknown)[0]!r}; sections: {', '.join(SECTIONS)}")
+        missing = set(SECTIONS) - set(value)
+        if missing:
+            raise ValueError(f"missing sections: {', '.join(sorted(missing))}")
+        return value
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value < 2 or value & (value - 1):
+            raise ValueError(f"block_size must be a power of two >= 2, got {value}")
+        return value
+
+
+def presets_dir() -> Path:
+    return Path(str(files("fastddrive") / "configs"))
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in presets_dir().glob("*.yaml"))
+
+
+def load_config(preset: str | None = None, path: str | Path | None = None, **overrides: object) -> TrainConfig:
+    """A preset by name or a YAML file, with overrides (None values ignored); errors name the bad key."""
+    if (preset is None) == (path is None):
+        raise ConfigError("give exactly one of a preset name or a config path")
+    if preset is not None:
+        if preset not in preset_names():
+            raise ConfigError(f"unknown preset {preset!r}; presets: {', '.join(preset_names())}")
+        path = presets_dir() / f"{preset}.yaml"
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of settings")
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return TrainConfig.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        message = "unknown key" if first["type"] == "extra_forbidden" else first["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"{path}: {where}: {message}") from None

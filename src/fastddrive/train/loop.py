@@ -1,0 +1,256 @@
+"""The training loop: one command for one CPU, one GPU or several processes (`accelerate launch`).
+
+Every step's data and masks come from generators seeded with (seed, step[, rank]), so a run resumed
+from a checkpoint takes exactly the steps an uninterrupted run would have taken.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from accelerate import Accelerator
+
+from fastddrive.data.sample import DrivingDataset, DrivingSample, from_row
+from fastddrive.decode.ar import ar_free_decode, ar_scaffold_decode
+from fastddrive.eval.metrics import waypoint_ade_m
+from fastddrive.model import BlockDiffusionModel, CheckpointInfo, tiny_image_processor, tiny_qwen2_5_vl
+from fastddrive.prompt import chat_text
+from fastddrive.scaffold import Scaffold
+from fastddrive.schema import ResponseError, parse
+from fastddrive.tokenizer import default_tokenizer_path, load_tokenizer
+from fastddrive.train.checkpoint import (
+    latest_checkpoint,
+    list_checkpoints,
+    optimizer_state,
+    save_checkpoint,
+    scheduler_state,
+)
+from fastddrive.train.collate import DualStreamCollator
+from fastddrive.train.config import ConfigError, TrainConfig
+from fastddrive.train.losses import sasd_loss
+from fastddrive.train.noise import annealed_block_size
+
+LOG_FILE = "log.csv"
+LOG_COLUMNS = ("step", "loss", "noisy_loss", "clean_loss", "lr", "block_size", "steps_per_s", "val_loss", "val_ade3",
+               "val_ade5", "val_invalid")
+
+
+@dataclass
+class TrainReport:
+    out: Path
+    steps: int
+    resumed_from: int
+    seconds: float
+    steps_per_second: float
+    final: Path
+    last_validation: dict[str, float]
+
+
+def embedded_path(name: str) -> Path:
+    from importlib.resources import files
+
+    return Path(str(files("fastddrive") / "assets" / name))
+
+
+def initial_model(config: TrainConfig) -> BlockDiffusionModel:
+    """The starting point: a tiny Qwen2.5-VL from scratch, an embedded checkpoint, or a local folder."""
+    if config.init_from == "scratch":
+        tokenizer = load_tokenizer(default_tokenizer_path())
+        model = tiny_qwen2_5_vl(tokenizer, **config.architecture.model_dump(), seed=config.seed)
+        wrapper = BlockDiffusionModel(model, tokenizer, tiny_image_processor(config.image_max_pixels))
+    else:
+        path = embedded_path(config.init_from.split(":", 1)[1]) if config.init_from.startswith("embedded:") else Path(
+            config.init_from
+        )
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"init_from {config.init_from!r}: {path} holds no model (config.json is missing)")
+        wrapper = BlockDiffusionModel.from_pretrained(path, training=True)
+    wrapper.ensure_diffusion_tokens()
+    wrapper.info = CheckpointInfo(
+        kind="autoregressive" if config.recipe == "ar" else "block-diffusion",
+        mask_token_id=wrapper.info.mask_token_id,
+        null_token_id=wrapper.info.null_token_id,
+        explanation_budget=config.explanation_budget,
+        block_size=config.block_size,
+        extra={"preset": config.name},
+    )
+    return wrapper
+
+
+def lr_factor(step: int, config: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to `min_lr_ratio` of the peak."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def response_of(model: BlockDiffusionModel, scaffold: Scaffold, recipe: str, sample: DrivingSample) -> tuple:
+    """Greedy AR answer of the model to a sample: (response or None if invalid, token ids)."""
+    images = [sample.image] if model.is_vision else []
+    prompt = model.encode_prompt(chat_text(sample.command, sample.history, images=len(images)), images)
+    if recipe == "ar":
+        end = model.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        ids = ar_free_decode(model, prompt, end, max_new_tokens=len(scaffold) + 16)
+        text = model.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        try:
+            return parse(text), ids
+        except ResponseError:
+            return None, ids
+    ids = ar_scaffold_decode(model, prompt, scaffold)
+    try:
+        return scaffold.decode(ids), ids
+    except ResponseError:
+        return None, ids
+
+
+def validate(
+    model: BlockDiffusionModel,
+    collator: DualStreamCollator,
+    samples: list[DrivingSample],
+    config: TrainConfig,
+    ade_samples: int,
+) -> dict[str, float]:
+    """Validation loss on fixed samples and masks, and greedy-AR ADE on the first `ade_samples` of them."""
+    model.model.eval()
+    with torch.no_grad():
+        examples = [collator.example(s) for s in samples]
+        batch = collator(examples, config.block_size, np.random.default_rng([config.seed, 10**9]))
+        noisy, clean = model.dual_stream_logits(**batch.forward_inputs())
+        parts = sasd_loss(noisy, clean, batch.noisy_labels, batch.noisy_weights, batch.clean_labels, config.alpha,
+                          config.beta)
+        ades, invalid = [], 0
+        for sample in samples[:ade_samples]:
+            response, _ = response_of(model, collator.scaffold, config.recipe, sample)
+            if response is None:
+                invalid += 1
+                continue
+            ades.append(waypoint_ade_m(np.asarray(response.trajectory), sample.future))
+    model.model.train()
+    ade3, ade5 = np.mean(ades, axis=0) if ades else (float("nan"), float("nan"))
+    return {"val_loss": parts.total.item(), "val_ade3": float(ade3), "val_ade5": float(ade5), "val_invalid": invalid}
+
+
+def _append_log(out: Path, row: dict[str, Any], resumed_from: int | None = None) -> None:
+    path = out / LOG_FILE
+    if resumed_from is not None and path.is_file():
+        # Rows after the checkpoint we resume from were not kept in the model: drop them.
+        with path.open() as handle:
+            kept = [r for r in csv.DictReader(handle) if int(r["step"]) <= resumed_from]
+        with path.open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, LOG_COLUMNS)
+            writer.writeheader()
+            writer.writerows(kept)
+        return
+    new = not path.is_file()
+    with path.open("a", newline="") as handle:
+        writer = csv.DictWriter(handle, LOG_COLUMNS)
+        if new:
+            writer.writeheader()
+        writer.writerow({k: row.get(k, "") for k in LOG_COLUMNS})
+
+
+def train(
+    config: TrainConfig,
+    resume: bool = False,
+    on_step: Callable[[int, int, dict[str, float]], None] | None = None,
+    say: Callable[[str], None] = print,
+    stop_after: int | None = None,
+) -> TrainReport:
+    """Run (or resume) a training run; `stop_after` ends it early at that step, as an interruption would."""
+    transformers.utils.logging.disable_progress_bar()  # per-checkpoint "writing shards" bars drown the progress
+    accelerator = Accelerator(mixed_precision="bf16" if config.dtype == "bfloat16" else "no",
+                              cpu=not torch.cuda.is_available())
+    out = Path(config.out)
+    existing = list_checkpoints(out)
+    checkpoint = None
+    if resume:
+        checkpoint = latest_checkpoint(out, warn=say)
+        if checkpoint is None:
+            say(f"no usable checkpoint in {out}: starting from the beginning")
+    elif existing:
+        raise ConfigError(f"{out} already holds checkpoints; pass --resume to continue or choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config.model_dump(), indent=2))
+
+    model = BlockDiffusionModel.from_pretrained(checkpoint.path, training=True) if checkpoint else initial_model(
+        config
+    )
+    model.model.to(accelerator.device).train()
+    scaffold = Scaffold(model.tokenizer, explanation_budget=config.explanation_budget)
+    collator = DualStreamCollator(model, scaffold, config)
+    dataset = DrivingDataset.open(config.data)
+    rows = dataset.table("train").to_pylist()
+    if not rows:
+        raise ConfigError(f"{config.data} has no training samples")
+    val_rows = dataset.table("val").to_pylist()[: config.validation_samples] or rows[: config.validation_samples]
+    val_samples = [from_row(r) for r in val_rows]
+
+    optimizer = torch.optim.AdamW(model.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
+    start = 0
+    if checkpoint:
+        optimizer.load_state_dict(optimizer_state(checkpoint.path))
+        scheduler.load_state_dict(scheduler_state(checkpoint.path))
+        start = checkpoint.step
+        say(f"resuming from {checkpoint.path.name} (step {start})")
+        _append_log(out, {}, resumed_from=start)
+    model.model, optimizer, scheduler = accelerator.prepare(model.model, optimizer, scheduler)
+
+    world, rank = accelerator.num_processes, accelerator.process_index
+    last_validation: dict[str, float] = {}
+    began = time.perf_counter()
+    window_start, window_steps = time.perf_counter(), 0
+    end = min(config.steps, stop_after) if stop_after is not None else config.steps
+    for step in range(start, end):
+        picks = np.random.default_rng([config.seed, step]).choice(len(rows), config.batch_size * world)
+        mine = picks[rank * config.batch_size : (rank + 1) * config.batch_size]
+        block = annealed_block_size(step / config.steps, config.block_size, config.anneal_block_size)
+        batch = collator([collator.example(from_row(rows[i])) for i in mine], block,
+                         np.random.default_rng([config.seed, step, rank, 1]))
+        with accelerator.autocast():
+            noisy, clean = model.dual_stream_logits(**batch.forward_inputs())
+            parts = sasd_loss(noisy, clean, batch.noisy_labels, batch.noisy_weights, batch.clean_labels, config.alpha,
+                              config.beta)
+        accelerator.backward(parts.total)
+        if config.grad_clip:
+            accelerator.clip_grad_norm_(model.model.parameters(), config.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        window_steps += 1
+
+        done = step + 1
+        metrics = {"loss": parts.total.item(), "noisy_loss": parts.noisy.item(), "clean_loss": parts.clean.item(),
+                   "lr": scheduler.get_last_lr()[0], "block_size": block}
+        if done % config.log_every == 0 or done == end:
+            metrics["steps_per_s"] = window_steps / (time.perf_counter() - window_start)
+            window_start, window_steps = time.perf_counter(), 0
+            if accelerator.is_main_process:
+                _append_log(out, {"step": done, **metrics})
+        if done % config.validate_every == 0 or done == config.steps:
+            last_validation = validate(model, collator, val_samples, config, ade_samples=config.validation_samples)
+            if accelerator.is_main_process:
+                _append_log(out, {"step": done, **last_validation})
+            metrics |= last_validation
+        if (done % config.checkpoint_every == 0 or done == end) and accelerator.is_main_process:
+            save_checkpoint(out, done, model, optimizer, scheduler, {"preset": config.name}, config.keep_checkpoints)
+        accelerator.wait_for_everyone()
+        if on_step and accelerator.is_main_process:
+            on_step(done, config.steps, metrics)
+
+    final = out / "final"
+    if end == config.steps and accelerator.is_main_process:
+        model.save_pretrained(final)
+    seconds = time.perf_counter() - began
+    return TrainReport(out, end, start, seconds, (end - start) / seconds if seconds else 0.0, final, last_validation)

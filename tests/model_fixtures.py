@@ -1,0 +1,48 @@
+"""Tiny random models and synthetic samples for model and training tests."""
+
+import numpy as np
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from fastddrive.data.sample import CameraView, DrivingSample
+from fastddrive.model import BlockDiffusionModel, tiny_image_processor, tiny_qwen2_5_vl
+from fastddrive.schema import CRITICAL_OBJECT_CLASSES, DrivingResponse, MetaBehavior
+from fastddrive.tokenizer import default_tokenizer_path, load_tokenizer
+
+
+def vision_model(seed: int = 0) -> BlockDiffusionModel:
+    tokenizer = load_tokenizer(default_tokenizer_path())
+    model = tiny_qwen2_5_vl(tokenizer, hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate_size=128,
+                            vision_hidden_size=32, vision_depth=2, vision_heads=2, seed=seed)
+    return BlockDiffusionModel(model.eval(), tokenizer, tiny_image_processor())
+
+
+def text_model(seed: int = 0) -> BlockDiffusionModel:
+    import torch
+
+    tokenizer = load_tokenizer(default_tokenizer_path())
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=True)
+    return BlockDiffusionModel(Qwen2ForCausalLM(config).eval(), tokenizer)
+
+
+def synthetic_sample(seed: int = 0) -> DrivingSample:
+    rng = np.random.default_rng(seed)
+    speed = rng.uniform(5, 30)
+    t = np.arange(1, 21) * 0.25
+    future = np.stack([speed * t, rng.uniform(-0.5, 0.5) * t], axis=1)
+    history = np.zeros((7, 6))
+    history[:, 0] = -speed * np.arange(6, -1, -1) * 0.5
+    history[:, 2] = speed
+    response = DrivingResponse(
+        critical_objects={c: bool(rng.random() < 0.3) for c in CRITICAL_OBJECT_CLASSES},
+        explanation=["The road ahead is clear; I keep my lane and speed.", "I slow down for the car ahead."][seed % 2],
+        future_meta_behavior=MetaBehavior(longitudinal=["keep", "decelerate"][seed % 2], lateral="straight"),
+        trajectory=future[3::4],
+    )
+    return DrivingSample(
+        sample_id=f"synthetic-{seed}", scenario="highway", episode_seed=seed, time_s=3.0,
+        image=rng.integers(0, 255, (224, 448, 3), dtype=np.uint8), history=history, command="go_straight",
+        future=future, future_time_s=t, response=response, view=CameraView(5.5, (134.4, 112.0), 0.0),
+    )

@@ -1,0 +1,103 @@
+import numpy as np
+import pytest
+import torch
+from model_fixtures import synthetic_sample, text_model, vision_model
+
+from fastddrive.model import additive_mask, block_prefix_mask
+from fastddrive.scaffold import Scaffold
+from fastddrive.train.collate import DualStreamCollator
+from fastddrive.train.config import load_config
+
+TOLERANCE = 2e-4
+
+
+@pytest.fixture(scope="module", params=["qwen2.5-vl", "qwen2"])
+def model(request):
+    return vision_model() if request.param == "qwen2.5-vl" else text_model()
+
+
+def _batch(model, block_size, seeds=(0, 1)):
+    config = load_config("tiny-sasd", block_size=max(block_size, 2))
+    collator = DualStreamCollator(model, Scaffold(model.tokenizer), config)
+    examples = [collator.example(synthetic_sample(s)) for s in seeds]
+    return collator, examples, collator(examples, block_size, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("block_size", [4, 8, 32])
+def test_packed_noisy_blocks_equal_separate_drafts(model, block_size):
+    collator, examples, batch = _batch(model, block_size)
+    with torch.no_grad():
+        noisy, _ = model.dual_stream_logits(**batch.forward_inputs())
+    checked = 0
+    for b, example in enumerate(examples):
+        start = int(batch.response_start[b])
+        for copy in range(batch.noisy_ids.shape[1]):
+            for block in collator.scaffold.blocks(block_size):
+                prompt = example.prompt
+                prefix = batch.clean_ids[b, : start + block.start][None]
+                _, cache = model.prefill(type(prompt)(prefix, prompt.pixel_values, prompt.image_grid_thw))
+                separate = model.draft(cache, batch.noisy_ids[b, copy, block.start : block.end])
+                packed = noisy[b, copy, block.start : block.end]
+                assert torch.allclose(packed, separate, atol=TOLERANCE), (b, copy, block)
+                checked += 1
+    assert checked == 2 * 2 * len(collator.scaffold.blocks(block_size))
+
+
+def test_packed_clean_stream_equals_a_plain_causal_forward(model):
+    _, examples, batch = _batch(model, 8)
+    with torch.no_grad():
+        _, clean = model.dual_stream_logits(**batch.forward_inputs())
+        for b, example in enumerate(examples):
+            n = int(batch.clean_lengths[b])
+            ids = batch.clean_ids[b, :n][None]
+            positions, _ = model._rope_positions(ids, example.prompt.image_grid_thw)
+            kwargs = {}
+            if example.prompt.pixel_values is not None:
+                kwargs = {"pixel_values": example.prompt.pixel_values, "image_grid_thw": example.prompt.image_grid_thw}
+            plain = model.model(input_ids=ids, position_ids=positions, **kwargs).logits[0]
+            assert torch.allclose(clean[b, :n], plain, atol=TOLERANCE)
+
+
+def test_masks_use_the_dtype_minimum_not_minus_infinity():
+    mask = additive_mask(block_prefix_mask(2, 3, causal=True), torch.bfloat16)
+    assert mask.dtype == torch.bfloat16 and torch.isfinite(mask).all()
+    assert (mask == torch.finfo(torch.bfloat16).min).sum() == 3  # the strict upper triangle of 3 new tokens
+
+
+def _prefix(model):
+    sample = synthetic_sample(3)
+    images = [sample.image] if model.is_vision else []
+    text = "<|im_start|>user\n" + ("<|vision_start|><|image_pad|><|vision_end|>" if images else "") + "Go.<|im_end|>"
+    return model.encode_prompt(text, images)
+
+
+def _kv(cache):
+    return [(layer.keys.clone(), layer.values.clone()) for layer in cache.cache.layers]
+
+
+def test_draft_leaves_the_cache_unchanged(model):
+    _, cache = model.prefill(_prefix(model))
+    before = _kv(cache)
+    model.draft(cache, [100, 101, 102, 103])
+    after = _kv(cache)
+    assert cache.length == before[0][0].shape[2]
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(before, after, strict=True))
+
+
+def test_verify_then_crop_is_as_if_never_fed(model):
+    _, cache = model.prefill(_prefix(model))
+    reference = model.verify(cache.fork(1)[0], [200, 201])
+    model.verify(cache, [300, 301, 302])
+    cache.crop(cache.length - 3)
+    again = model.verify(cache, [200, 201])
+    assert torch.allclose(reference, again, atol=1e-6)
+    with pytest.raises(ValueError, match="cannot crop"):
+        cache.crop(cache.length + 1)
+
+
+def test_forked_caches_are_independent(model):
+    _, cache = model.prefill(_prefix(model))
+    a, b = cache.fork(2)
+    model.verify(a, [400, 401, 402])
+    assert b.length == cache.length and a.length == cache.length + 3
+    assert torch.allclose(model.verify(b, [200]), model.verify(cache, [200]), atol=1e-6)
