@@ -11,8 +11,18 @@ from fastddrive.tokenizer import default_tokenizer_path, load_tokenizer
 
 def vision_model(seed: int = 0) -> BlockDiffusionModel:
     tokenizer = load_tokenizer(default_tokenizer_path())
-    model = tiny_qwen2_5_vl(tokenizer, hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate_size=128,
-                            vision_hidden_size=32, vision_depth=2, vision_heads=2, seed=seed)
+    model = tiny_qwen2_5_vl(
+        tokenizer,
+        hidden_size=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        intermediate_size=128,
+        vision_hidden_size=32,
+        vision_depth=2,
+        vision_heads=2,
+        seed=seed,
+    )
     return BlockDiffusionModel(model.eval(), tokenizer, tiny_image_processor())
 
 
@@ -21,9 +31,16 @@ def text_model(seed: int = 0) -> BlockDiffusionModel:
 
     tokenizer = load_tokenizer(default_tokenizer_path())
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
     return BlockDiffusionModel(Qwen2ForCausalLM(config).eval(), tokenizer)
 
 
@@ -42,7 +59,15 @@ def synthetic_sample(seed: int = 0) -> DrivingSample:
         trajectory=future[3::4],
     )
     return DrivingSample(
-        sample_id=f"synthetic-{seed}", scenario="highway", episode_seed=seed, time_s=3.0,
-        image=rng.integers(0, 255, (224, 448, 3), dtype=np.uint8), history=history, command="go_straight",
-        future=future, future_time_s=t, response=response, view=CameraView(5.5, (134.4, 112.0), 0.0),
+        sample_id=f"synthetic-{seed}",
+        scenario="highway",
+        episode_seed=seed,
+        time_s=3.0,
+        image=rng.integers(0, 255, (224, 448, 3), dtype=np.uint8),
+        history=history,
+        command="go_straight",
+        future=future,
+        future_time_s=t,
+        response=response,
+        view=CameraView(5.5, (134.4, 112.0), 0.0),
     )

@@ -1,12 +1,12 @@
 import numpy as np
 import pytest
 import torch
-from model_fixtures import synthetic_sample, text_model, vision_model
 
 from fastddrive.model import additive_mask, block_prefix_mask
 from fastddrive.scaffold import Scaffold
 from fastddrive.train.collate import DualStreamCollator
 from fastddrive.train.config import load_config
+from model_fixtures import synthetic_sample, text_model, vision_model
 
 TOLERANCE = 2e-4
 

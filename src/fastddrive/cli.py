@@ -292,7 +292,9 @@ def tokenizer_table(
 
 @app.command("train")
 def train_command(
-    preset: Annotated[str | None, typer.Option(help="A preset from fastddrive/configs (tiny-ar, tiny-sasd, ...).")] = None,
+    preset: Annotated[
+        str | None, typer.Option(help="A preset from fastddrive/configs (tiny-ar, tiny-sasd, ...).")
+    ] = None,
     config: Annotated[Path | None, typer.Option(help="A YAML config file instead of a preset.")] = None,
     out: Annotated[Path | None, typer.Option(help="Output folder (overrides the config).")] = None,
     data: Annotated[Path | None, typer.Option(help="Dataset folder (overrides the config).")] = None,
@@ -337,6 +339,54 @@ def train_command(
         f"trained {report.steps - report.resumed_from} steps in {report.seconds:.0f} s "
         f"({report.steps_per_second:.2f} steps/s); final model in {report.final}"
     )
+
+
+@app.command("eval")
+def eval_command(
+    model: Annotated[str, typer.Option(help="'default', 'default-ar', or a local model folder.")] = "default",
+    data: Annotated[Path, typer.Option(help="Dataset folder.")] = Path("runs/sim"),
+    split: Annotated[str, typer.Option(help="train, val or test.")] = "test",
+    limit: Annotated[int | None, typer.Option(help="Evaluate only the first N samples.")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the figures as JSON.")] = None,
+) -> None:
+    """Greedy-AR accuracy on a split: ADE@3s/5s next to constant velocity, meta accuracy, critical-object F1."""
+    import dataclasses
+    from itertools import islice
+
+    from fastddrive.data.sample import DrivingDataset
+    from fastddrive.eval.accuracy import evaluate_greedy_ar
+    from fastddrive.model import BlockDiffusionModel
+    from fastddrive.train.loop import model_path
+
+    with user_errors():
+        dataset = DrivingDataset.open(data)
+        total = len(dataset.table(split, columns=["sample_id"]))
+        loaded = BlockDiffusionModel.from_pretrained(model_path(model))
+    n = min(total, limit) if limit else total
+    with _progress() as progress:
+        task = progress.add_task(f"greedy AR on {split}", total=n, note="")
+        report = evaluate_greedy_ar(
+            loaded, islice(dataset.samples(split), n), on_sample=lambda: progress.update(task, advance=1)
+        )
+    table = Table(title=f"{model} on {data} [{split}], {report.samples} samples, greedy AR")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("ADE@3s (m)", f"{report.ade3_m:.3f}"),
+        ("ADE@5s (m)", f"{report.ade5_m:.3f}"),
+        ("constant velocity ADE@3s (m)", f"{report.cv_ade3_m:.3f}"),
+        ("constant velocity ADE@5s (m)", f"{report.cv_ade5_m:.3f}"),
+        ("longitudinal accuracy", f"{report.longitudinal_accuracy:.3f}"),
+        ("lateral accuracy", f"{report.lateral_accuracy:.3f}"),
+        ("critical-object F1", f"{report.critical_object_f1:.3f}"),
+        ("invalid answers", f"{report.invalid} of {report.samples}"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)
+    if json_out is not None:
+        json_out.write_text(json.dumps(dataclasses.asdict(report), indent=2))
+        console.print(f"wrote {json_out}")
 
 
 def main() -> None:

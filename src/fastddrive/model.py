@@ -265,9 +265,7 @@ class BlockDiffusionModel:
         if grid is None or not token_type.any():
             positions = torch.arange(length).expand(3, batch, -1)
             return positions, torch.zeros(batch, dtype=torch.long)
-        positions, deltas = self.core.model.get_rope_index(
-            input_ids, mm_token_type_ids=token_type, image_grid_thw=grid
-        )
+        positions, deltas = self.core.model.get_rope_index(input_ids, mm_token_type_ids=token_type, image_grid_thw=grid)
         return positions, deltas.reshape(-1)
 
     def _text_positions(self, start: int, n: int, rope_delta: int) -> torch.Tensor:

@@ -46,8 +46,13 @@ class DiffusionTokenIds:
     added: tuple[str, ...] = ()
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> Qwen2Tokenizer:
-    """Train a byte-level BPE on `texts` with Qwen2's pre-tokenization and special tokens."""
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, diffusion_tokens: bool = True
+) -> Qwen2Tokenizer:
+    """Train a byte-level BPE on `texts` with Qwen2's pre-tokenization and special tokens.
+
+    `diffusion_tokens=False` leaves out |<MASK>| and <|NULL|>, as in a real Qwen2.5-VL tokenizer.
+    """
     backend = Tokenizer(models.BPE())
     backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = pre_tokenizers.Sequence(
@@ -57,7 +62,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) 
         ]
     )
     backend.decoder = decoders.ByteLevel()
-    special = [*CHAT_TOKENS, MASK_TOKEN, NULL_TOKEN]
+    special = [*CHAT_TOKENS, MASK_TOKEN, NULL_TOKEN] if diffusion_tokens else list(CHAT_TOKENS)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=special,

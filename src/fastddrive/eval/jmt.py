@@ -27,7 +27,14 @@ def jmt_upsample(waypoints_m: np.ndarray, interval_s: float = KNOT_INTERVAL_S) -
     big_t = interval_s
     out = []
     for k in range(len(knots) - 1):
-        p0, p1, v0, v1, a0, a1 = knots[k], knots[k + 1], velocity[k], velocity[k + 1], acceleration[k], acceleration[k + 1]
+        p0, p1, v0, v1, a0, a1 = (
+            knots[k],
+            knots[k + 1],
+            velocity[k],
+            velocity[k + 1],
+            acceleration[k],
+            acceleration[k + 1],
+        )
         dp = p1 - p0 - v0 * big_t - a0 * big_t**2 / 2
         dv = v1 - v0 - a0 * big_t
         da = a1 - a0

@@ -33,10 +33,18 @@ def constant_velocity_m(history: np.ndarray, steps: int = 20, interval_s: float 
 
 def meta_accuracy(predicted: Sequence[DrivingResponse], truth: Sequence[DrivingResponse]) -> tuple[float, float]:
     """Accuracy of the longitudinal and the lateral decision."""
-    lon = np.mean([p.future_meta_behavior.longitudinal == t.future_meta_behavior.longitudinal
-                   for p, t in zip(predicted, truth, strict=True)])
-    lat = np.mean([p.future_meta_behavior.lateral == t.future_meta_behavior.lateral
-                   for p, t in zip(predicted, truth, strict=True)])
+    lon = np.mean(
+        [
+            p.future_meta_behavior.longitudinal == t.future_meta_behavior.longitudinal
+            for p, t in zip(predicted, truth, strict=True)
+        ]
+    )
+    lat = np.mean(
+        [
+            p.future_meta_behavior.lateral == t.future_meta_behavior.lateral
+            for p, t in zip(predicted, truth, strict=True)
+        ]
+    )
     return float(lon), float(lat)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from fastddrive.model import BlockDiffusionModel
@@ -60,7 +60,7 @@ def save_checkpoint(
     tensors, groups = _optimizer_to_safe(optimizer.state_dict())
     save_file(tensors, str(tmp / OPTIMIZER_TENSORS))
     (tmp / OPTIMIZER_GROUPS).write_text(json.dumps(groups))
-    scheduler_state = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+    scheduler_state = scheduler.state_dict()  # lr_lambdas is [None] for plain functions: JSON-safe
     (tmp / SCHEDULER_STATE).write_text(json.dumps(scheduler_state))
     (tmp / TRAINER_STATE).write_text(json.dumps({**state, "step": step}, indent=2))
     if final.exists():
@@ -118,7 +118,7 @@ def validate_checkpoint(path: Path) -> Checkpoint:
             with safe_open(str(path / name), framework="pt") as handle:
                 for key in handle.keys():  # noqa: SIM118 - safe_open handles are not mappings
                     handle.get_slice(key)
-    except (ValueError, OSError) as err:
+    except (ValueError, OSError, SafetensorError) as err:
         raise CheckpointError(f"{path.name} is corrupt: {err}") from None
     step = int(_NAME.match(path.name).group(1))
     if state.get("step") != step:

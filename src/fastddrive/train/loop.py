@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import transformers
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 
 from fastddrive.data.sample import DrivingDataset, DrivingSample, from_row
 from fastddrive.decode.ar import ar_free_decode, ar_scaffold_decode
@@ -41,8 +42,19 @@ from fastddrive.train.losses import sasd_loss
 from fastddrive.train.noise import annealed_block_size
 
 LOG_FILE = "log.csv"
-LOG_COLUMNS = ("step", "loss", "noisy_loss", "clean_loss", "lr", "block_size", "steps_per_s", "val_loss", "val_ade3",
-               "val_ade5", "val_invalid")
+LOG_COLUMNS = (
+    "step",
+    "loss",
+    "noisy_loss",
+    "clean_loss",
+    "lr",
+    "block_size",
+    "steps_per_s",
+    "val_loss",
+    "val_ade3",
+    "val_ade5",
+    "val_invalid",
+)
 
 
 @dataclass
@@ -56,10 +68,18 @@ class TrainReport:
     last_validation: dict[str, float]
 
 
+EMBEDDED_MODELS = {"default": "tiny-sasd", "default-ar": "tiny-ar"}
+
+
 def embedded_path(name: str) -> Path:
     from importlib.resources import files
 
     return Path(str(files("fastddrive") / "assets" / name))
+
+
+def model_path(name: str) -> Path:
+    """'default' (the embedded tiny-sasd), 'default-ar' (the embedded tiny-ar), or a local folder."""
+    return embedded_path(EMBEDDED_MODELS[name]) if name in EMBEDDED_MODELS else Path(name)
 
 
 def initial_model(config: TrainConfig) -> BlockDiffusionModel:
@@ -69,8 +89,10 @@ def initial_model(config: TrainConfig) -> BlockDiffusionModel:
         model = tiny_qwen2_5_vl(tokenizer, **config.architecture.model_dump(), seed=config.seed)
         wrapper = BlockDiffusionModel(model, tokenizer, tiny_image_processor(config.image_max_pixels))
     else:
-        path = embedded_path(config.init_from.split(":", 1)[1]) if config.init_from.startswith("embedded:") else Path(
-            config.init_from
+        path = (
+            embedded_path(config.init_from.split(":", 1)[1])
+            if config.init_from.startswith("embedded:")
+            else Path(config.init_from)
         )
         if not (path / "config.json").is_file():
             raise ConfigError(f"init_from {config.init_from!r}: {path} holds no model (config.json is missing)")
@@ -127,8 +149,9 @@ def validate(
         examples = [collator.example(s) for s in samples]
         batch = collator(examples, config.block_size, np.random.default_rng([config.seed, 10**9]))
         noisy, clean = model.dual_stream_logits(**batch.forward_inputs())
-        parts = sasd_loss(noisy, clean, batch.noisy_labels, batch.noisy_weights, batch.clean_labels, config.alpha,
-                          config.beta)
+        parts = sasd_loss(
+            noisy, clean, batch.noisy_labels, batch.noisy_weights, batch.clean_labels, config.alpha, config.beta
+        )
         ades, invalid = [], 0
         for sample in samples[:ade_samples]:
             response, _ = response_of(model, collator.scaffold, config.recipe, sample)
@@ -169,8 +192,12 @@ def train(
 ) -> TrainReport:
     """Run (or resume) a training run; `stop_after` ends it early at that step, as an interruption would."""
     transformers.utils.logging.disable_progress_bar()  # per-checkpoint "writing shards" bars drown the progress
-    accelerator = Accelerator(mixed_precision="bf16" if config.dtype == "bfloat16" else "no",
-                              cpu=not torch.cuda.is_available())
+    # Accelerate keeps mixed precision in a per-process singleton; a second run in one process (a notebook,
+    # the tests) may use another precision. The distributed state (PartialState) is kept.
+    AcceleratorState._reset_state(reset_partial_state=False)
+    accelerator = Accelerator(
+        mixed_precision="bf16" if config.dtype == "bfloat16" else "no", cpu=not torch.cuda.is_available()
+    )
     out = Path(config.out)
     existing = list_checkpoints(out)
     checkpoint = None
@@ -183,9 +210,7 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config.model_dump(), indent=2))
 
-    model = BlockDiffusionModel.from_pretrained(checkpoint.path, training=True) if checkpoint else initial_model(
-        config
-    )
+    model = BlockDiffusionModel.from_pretrained(checkpoint.path, training=True) if checkpoint else initial_model(config)
     model.model.to(accelerator.device).train()
     scaffold = Scaffold(model.tokenizer, explanation_budget=config.explanation_budget)
     collator = DualStreamCollator(model, scaffold, config)
@@ -216,12 +241,16 @@ def train(
         picks = np.random.default_rng([config.seed, step]).choice(len(rows), config.batch_size * world)
         mine = picks[rank * config.batch_size : (rank + 1) * config.batch_size]
         block = annealed_block_size(step / config.steps, config.block_size, config.anneal_block_size)
-        batch = collator([collator.example(from_row(rows[i])) for i in mine], block,
-                         np.random.default_rng([config.seed, step, rank, 1]))
+        batch = collator(
+            [collator.example(from_row(rows[i])) for i in mine],
+            block,
+            np.random.default_rng([config.seed, step, rank, 1]),
+        )
         with accelerator.autocast():
             noisy, clean = model.dual_stream_logits(**batch.forward_inputs())
-            parts = sasd_loss(noisy, clean, batch.noisy_labels, batch.noisy_weights, batch.clean_labels, config.alpha,
-                              config.beta)
+            parts = sasd_loss(
+                noisy, clean, batch.noisy_labels, batch.noisy_weights, batch.clean_labels, config.alpha, config.beta
+            )
         accelerator.backward(parts.total)
         if config.grad_clip:
             accelerator.clip_grad_norm_(model.model.parameters(), config.grad_clip)
@@ -231,8 +260,13 @@ def train(
         window_steps += 1
 
         done = step + 1
-        metrics = {"loss": parts.total.item(), "noisy_loss": parts.noisy.item(), "clean_loss": parts.clean.item(),
-                   "lr": scheduler.get_last_lr()[0], "block_size": block}
+        metrics = {
+            "loss": parts.total.item(),
+            "noisy_loss": parts.noisy.item(),
+            "clean_loss": parts.clean.item(),
+            "lr": scheduler.get_last_lr()[0],
+            "block_size": block,
+        }
         if done % config.log_every == 0 or done == end:
             metrics["steps_per_s"] = window_steps / (time.perf_counter() - window_start)
             window_start, window_steps = time.perf_counter(), 0

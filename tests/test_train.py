@@ -1,0 +1,253 @@
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from fastddrive.data.build import build_dataset
+from fastddrive.data.sample import DrivingDataset
+from fastddrive.model import BlockDiffusionModel, tiny_image_processor, tiny_qwen2_5_vl
+from fastddrive.scaffold import Scaffold
+from fastddrive.tokenizer import MissingDiffusionTokens, corpus_texts, train_tokenizer
+from fastddrive.train.checkpoint import list_checkpoints, validate_checkpoint
+from fastddrive.train.collate import IGNORE, DualStreamCollator
+from fastddrive.train.config import ConfigError, load_config
+from fastddrive.train.loop import initial_model, train
+from fastddrive.train.losses import sasd_loss
+from fastddrive.train.noise import annealed_block_size, complementary_masks
+from model_fixtures import synthetic_sample
+
+SMALL = {
+    "hidden_size": 64,
+    "layers": 2,
+    "heads": 4,
+    "kv_heads": 2,
+    "intermediate_size": 128,
+    "vision_hidden_size": 32,
+    "vision_depth": 2,
+    "vision_heads": 2,
+}
+QUICK = dict(validation_samples=2, log_every=1, checkpoint_every=2, validate_every=1000, warmup_steps=1, batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train-data") / "sim"
+    build_dataset(root, 2, 21, ["merge"])
+    return str(root)
+
+
+def _fixed_batch_loss(model, config, data, seed=0):
+    collator = DualStreamCollator(
+        model, Scaffold(model.tokenizer, explanation_budget=config.explanation_budget), config
+    )
+    samples = list(DrivingDataset.open(data).samples("train"))[:4]
+    batch = collator([collator.example(s) for s in samples], config.block_size, np.random.default_rng(seed))
+    with torch.no_grad():
+        noisy, clean = model.dual_stream_logits(**batch.forward_inputs())
+    return sasd_loss(
+        noisy, clean, batch.noisy_labels, batch.noisy_weights, batch.clean_labels, config.alpha, config.beta
+    ).total.item()
+
+
+def _loss_falls(config, data):
+    before = _fixed_batch_loss(initial_model(config), config, data)
+    report = train(config)
+    after = _fixed_batch_loss(BlockDiffusionModel.from_pretrained(report.final, training=True), config, data)
+    assert after < before, (before, after)
+    return report
+
+
+def test_two_steps_of_tiny_ar_then_tiny_sasd_reduce_the_loss(data, tmp_path):
+    ar = load_config("tiny-ar", data=data, out=str(tmp_path / "ar"), steps=2, architecture=SMALL, **QUICK)
+    ar_report = _loss_falls(ar, data)
+    assert BlockDiffusionModel.from_pretrained(ar_report.final).info.kind == "autoregressive"
+    sasd = load_config(
+        "tiny-sasd", data=data, out=str(tmp_path / "sasd"), steps=2, init_from=str(ar_report.final), **QUICK
+    )
+    report = _loss_falls(sasd, data)
+    loaded = BlockDiffusionModel.from_pretrained(report.final)
+    assert loaded.info.kind == "block-diffusion" and loaded.info.mask_token_id is not None
+
+    from typer.testing import CliRunner
+
+    from fastddrive.cli import app
+
+    figures = tmp_path / "eval.json"
+    for model in (ar_report.final, report.final):
+        result = CliRunner().invoke(app, ["eval", "--model", str(model), "--data", data, "--split", "test",
+                                          "--limit", "2", "--json", str(figures)])
+        assert result.exit_code == 0, result.output
+        assert "constant velocity ADE@5s" in result.output
+        assert json.loads(figures.read_text())["samples"] == 2
+    missing = CliRunner().invoke(app, ["eval", "--model", str(tmp_path / "nothing"), "--data", data])
+    assert missing.exit_code == 2 and "config.json is missing" in missing.output
+
+
+def _real_like_checkpoint(path, data):
+    """A randomly initialised Qwen2.5-VL at tiny sizes, saved the way a real checkpoint is: no diffusion tokens."""
+    rows = DrivingDataset.open(data).table("train", ["command", "history", "response"]).to_pylist()
+    tokenizer = train_tokenizer(corpus_texts(rows), vocab_size=500, diffusion_tokens=False)
+    model = tiny_qwen2_5_vl(tokenizer, **SMALL)
+    model.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    tiny_image_processor().save_pretrained(str(path))
+    return path
+
+
+def test_the_3b_recipe_runs_two_steps_on_a_shrunk_random_model(data, tmp_path, capsys):
+    base = _real_like_checkpoint(tmp_path / "qwen-like", data)
+    with pytest.raises(MissingDiffusionTokens, match="never trained for block diffusion|no \\|<MASK>\\|"):
+        BlockDiffusionModel.from_pretrained(base)
+    config = load_config(
+        "qwen2.5-vl-3b-sasd",
+        data=data,
+        out=str(tmp_path / "out"),
+        init_from=str(base),
+        steps=2,
+        **{**QUICK, "batch_size": 2},
+    )
+    assert config.dtype == "bfloat16" and config.lr == 1e-5 and config.block_size == 32
+    report = _loss_falls(config, data)
+    assert "resizing embeddings" in capsys.readouterr().out
+    tuned = BlockDiffusionModel.from_pretrained(report.final)
+    assert tuned.core.get_input_embeddings().num_embeddings == len(tuned.tokenizer)
+
+
+def _params(path):
+    model = BlockDiffusionModel.from_pretrained(path, training=True)
+    return {k: v.clone() for k, v in model.core.state_dict().items()}
+
+
+def test_resuming_an_interrupted_run_gives_the_same_parameters(data, tmp_path):
+    settings = dict(data=data, steps=4, architecture=SMALL, **QUICK)
+    whole = train(load_config("tiny-ar", out=str(tmp_path / "whole"), **settings))
+    interrupted = load_config("tiny-ar", out=str(tmp_path / "cut"), **settings)
+    train(interrupted, stop_after=2)
+    assert [p.name for p in list_checkpoints(tmp_path / "cut")] == ["checkpoint-000002"]
+    resumed = train(interrupted, resume=True)
+    assert resumed.resumed_from == 2
+    a, b = _params(whole.final), _params(resumed.final)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("damage", ["truncate-weights", "drop-optimizer"])
+def test_a_corrupt_or_partial_checkpoint_is_refused_and_the_previous_one_used(data, tmp_path, damage):
+    config = load_config("tiny-ar", data=data, out=str(tmp_path / "run"), steps=6, architecture=SMALL, **QUICK)
+    train(config, stop_after=4)
+    newest = list_checkpoints(tmp_path / "run")[-1]
+    assert newest.name == "checkpoint-000004"
+    if damage == "truncate-weights":
+        weights = newest / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    else:
+        (newest / "optimizer.safetensors").unlink()
+    with pytest.raises(ValueError, match="checkpoint-000004 is (corrupt|partial)"):
+        validate_checkpoint(newest)
+    said = []
+    report = train(config, resume=True, say=said.append)
+    assert report.resumed_from == 2
+    assert any("refusing checkpoint checkpoint-000004" in s for s in said)
+
+
+def test_a_fresh_run_refuses_an_output_that_holds_checkpoints(data, tmp_path):
+    config = load_config("tiny-ar", data=data, out=str(tmp_path / "run"), steps=2, architecture=SMALL, **QUICK)
+    train(config)
+    with pytest.raises(ConfigError, match="--resume"):
+        train(config)
+
+
+def test_configs_are_validated_with_the_key_named(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nrecipe: sasd\ninit_from: scratch\nlearning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match="learning_rate: unknown key"):
+        load_config(path=bad)
+    with pytest.raises(ConfigError, match="unknown preset 'huge'"):
+        load_config("huge")
+    with pytest.raises(ConfigError, match="unknown section 'radar'"):
+        load_config("tiny-sasd", section_weights={"radar": 1.0})
+    with pytest.raises(ConfigError, match="power of two"):
+        load_config("tiny-sasd", block_size=24)
+
+
+def test_block_size_anneals_over_powers_of_two():
+    sizes = [annealed_block_size(u / 100, 32) for u in range(100)]
+    assert sizes[0] == 2 and sizes[-1] == 32 and sorted(set(sizes)) == [2, 4, 8, 16, 32]
+    assert sizes == sorted(sizes)
+    assert annealed_block_size(0.0, 32, anneal=False) == 32
+
+
+def test_complementary_masks_cover_every_maskable_token_once():
+    rng = np.random.default_rng(0)
+    maskable = rng.random(500) < 0.7
+    a, b = complementary_masks(maskable, np.full(500, 0.3), rng)
+    assert not (a & b).any() and ((a | b) == maskable).all()
+
+
+def test_sasd_batches_never_mask_scaffold_or_block_starts_and_label_with_token_shift():
+    from model_fixtures import vision_model
+
+    model = vision_model()
+    config = load_config("tiny-sasd", block_size=8)
+    scaffold = Scaffold(model.tokenizer)
+    collator = DualStreamCollator(model, scaffold, config)
+    example = collator.example(synthetic_sample(0))
+    batch = collator([example], 8, np.random.default_rng(1))
+    response = torch.as_tensor(example.response)
+    starts = {b.start for b in scaffold.blocks(8)}
+    masked_any = torch.zeros(len(response), dtype=torch.bool)
+    for copy in range(2):
+        masked = batch.noisy_ids[0, copy] == scaffold.mask_id
+        masked_any |= masked
+        assert not masked[torch.as_tensor(~scaffold.is_value)].any()
+        assert not any(masked[s] for s in starts)
+        where = torch.nonzero(masked).flatten()
+        assert torch.equal(batch.noisy_labels[0, copy, where - 1], response[where])
+        assert (batch.noisy_labels[0, copy] != IGNORE).sum() == masked.sum()
+        weights = batch.noisy_weights[0, copy, where - 1]
+        assert set(weights.tolist()) <= {1.5, 1.0, 2.0, 3.0}
+    maskable = torch.as_tensor(scaffold.is_value).clone()
+    maskable[list(starts)] = False
+    assert torch.equal(masked_any, maskable)  # complementary: every maskable value is masked exactly once
+    start = int(batch.response_start[0])
+    targets = torch.nonzero(batch.clean_labels[0] != IGNORE).flatten() + 1 - start
+    assert torch.equal(targets, torch.as_tensor(np.flatnonzero(scaffold.is_value)))
+
+
+@pytest.mark.slow
+def test_accelerate_launch_with_two_cpu_processes(data, tmp_path):
+    config = tmp_path / "two.yaml"
+    config.write_text(
+        f"name: two\nrecipe: ar\ninit_from: scratch\ndata: {data}\nout: {tmp_path / 'out'}\nsteps: 2\n"
+        "batch_size: 2\nwarmup_steps: 1\nvalidate_every: 1000\nvalidation_samples: 1\ncheckpoint_every: 2\n"
+        "architecture: {hidden_size: 64, layers: 2, heads: 4, kv_heads: 2, intermediate_size: 128,"
+        " vision_hidden_size: 32, vision_depth: 2, vision_heads: 2}\n"
+    )
+    launcher = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--cpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "fastddrive.cli",
+        "train",
+        "--config",
+        str(config),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(launcher, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
+    assert [p.name for p in list_checkpoints(tmp_path / "out")] == ["checkpoint-000002"]
