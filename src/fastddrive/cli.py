@@ -384,12 +384,21 @@ def eval_command(
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)
+    scenarios = Table(title="ADE@5s per scenario (m)")
+    for column in ("scenario", "samples", "model", "constant velocity"):
+        scenarios.add_column(column, justify="left" if column == "scenario" else "right")
+    for name, row in report.by_scenario().items():
+        scenarios.add_row(name, str(row["samples"]), f"{row['ade5_m']:.3f}", f"{row['cv_ade5_m']:.3f}")
+    console.print(scenarios)
     if json_out is not None:
-        json_out.write_text(json.dumps(dataclasses.asdict(report), indent=2))
+        json_out.write_text(json.dumps(dataclasses.asdict(report) | {"by_scenario": report.by_scenario()}, indent=2))
         console.print(f"wrote {json_out}")
 
 
 def main() -> None:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars would break the rich progress
     app()
 
 

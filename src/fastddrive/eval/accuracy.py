@@ -35,6 +35,19 @@ class AccuracyReport:
     lateral_accuracy: float
     critical_object_f1: float
     failures: list[str] = field(default_factory=list)
+    per_sample: list[dict[str, object]] = field(default_factory=list)
+
+    def by_scenario(self) -> dict[str, dict[str, float]]:
+        """Mean ADE@5s of the model and of constant velocity per scenario (valid answers only)."""
+        out: dict[str, dict[str, float]] = {}
+        for name in sorted({str(r["scenario"]) for r in self.per_sample}):
+            rows = [r for r in self.per_sample if r["scenario"] == name and r["ade5_m"] is not None]
+            out[name] = {
+                "samples": len(rows),
+                "ade5_m": float(np.mean([r["ade5_m"] for r in rows])) if rows else float("nan"),
+                "cv_ade5_m": float(np.mean([r["cv_ade5_m"] for r in rows])) if rows else float("nan"),
+            }
+        return out
 
 
 def evaluate_greedy_ar(
@@ -49,18 +62,22 @@ def evaluate_greedy_ar(
     recipe = "ar" if model.info.kind == "autoregressive" else "sasd"
     predicted: list[DrivingResponse] = []
     truth: list[DrivingResponse] = []
-    ades, cv, failures, count = [], [], [], 0
+    ades, cv, failures, rows, count = [], [], [], [], 0
     for sample in samples:
         count += 1
         constant = constant_velocity_m(sample.history)
         cv.append((ade_m(constant, sample.future, STEPS_3S), ade_m(constant, sample.future)))
         response, _ = response_of(model, scaffold, recipe, sample)
+        ade = None
         if response is None:
             failures.append(sample.sample_id)
         else:
             predicted.append(response)
             truth.append(sample.response)
-            ades.append(waypoint_ade_m(np.asarray(response.trajectory), sample.future))
+            ade = waypoint_ade_m(np.asarray(response.trajectory), sample.future)
+            ades.append(ade)
+        rows.append({"sample_id": sample.sample_id, "scenario": sample.scenario, "ade3_m": ade and ade[0],
+                     "ade5_m": ade and ade[1], "cv_ade3_m": cv[-1][0], "cv_ade5_m": cv[-1][1]})
         if on_sample:
             on_sample()
     ade3, ade5 = np.mean(ades, axis=0) if ades else (float("nan"), float("nan"))
@@ -77,4 +94,5 @@ def evaluate_greedy_ar(
         lateral_accuracy=lat,
         critical_object_f1=critical_object_f1(predicted, truth) if predicted else float("nan"),
         failures=failures,
+        per_sample=rows,
     )

@@ -1,0 +1,31 @@
+"""The embedded default checkpoints load through the same code as any local folder and answer validly."""
+
+import numpy as np
+import pytest
+
+from fastddrive.data.highway import episode_samples
+from fastddrive.model import BlockDiffusionModel
+from fastddrive.scaffold import Scaffold
+from fastddrive.train.loop import model_path, response_of
+
+MAX_CHECKPOINT_BYTES = 25 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def scene():
+    return episode_samples("merge", 4242, max_duration_s=9)[0]
+
+
+@pytest.mark.parametrize(("name", "kind"), [("default", "block-diffusion"), ("default-ar", "autoregressive")])
+def test_embedded_checkpoint_loads_and_answers(name, kind, scene):
+    path = model_path(name)
+    size = sum(f.stat().st_size for f in path.iterdir())
+    assert size <= MAX_CHECKPOINT_BYTES
+    assert not list(path.glob("*.bin")) and (path / "model.safetensors").is_file()
+    model = BlockDiffusionModel.from_pretrained(path)
+    assert model.info.kind == kind and model.is_vision
+    scaffold = Scaffold(model.tokenizer, explanation_budget=model.info.explanation_budget)
+    response, ids = response_of(model, scaffold, "ar" if kind == "autoregressive" else "sasd", scene)
+    assert response is not None, model.tokenizer.decode(ids)
+    assert np.isfinite(np.asarray(response.trajectory)).all()
+    assert response.trajectory[-1][0] > 0  # it drives forwards
