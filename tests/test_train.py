@@ -78,8 +78,10 @@ def test_two_steps_of_tiny_ar_then_tiny_sasd_reduce_the_loss(data, tmp_path):
 
     figures = tmp_path / "eval.json"
     for model in (ar_report.final, report.final):
-        result = CliRunner().invoke(app, ["eval", "--model", str(model), "--data", data, "--split", "test",
-                                          "--limit", "2", "--json", str(figures)])
+        result = CliRunner().invoke(
+            app,
+            ["eval", "--model", str(model), "--data", data, "--split", "test", "--limit", "2", "--json", str(figures)],
+        )
         assert result.exit_code == 0, result.output
         assert "constant velocity ADE@5s" in result.output
         assert json.loads(figures.read_text())["samples"] == 2

@@ -76,8 +76,16 @@ def evaluate_greedy_ar(
             truth.append(sample.response)
             ade = waypoint_ade_m(np.asarray(response.trajectory), sample.future)
             ades.append(ade)
-        rows.append({"sample_id": sample.sample_id, "scenario": sample.scenario, "ade3_m": ade and ade[0],
-                     "ade5_m": ade and ade[1], "cv_ade3_m": cv[-1][0], "cv_ade5_m": cv[-1][1]})
+        rows.append(
+            {
+                "sample_id": sample.sample_id,
+                "scenario": sample.scenario,
+                "ade3_m": ade and ade[0],
+                "ade5_m": ade and ade[1],
+                "cv_ade3_m": cv[-1][0],
+                "cv_ade5_m": cv[-1][1],
+            }
+        )
         if on_sample:
             on_sample()
     ade3, ade5 = np.mean(ades, axis=0) if ades else (float("nan"), float("nan"))
