@@ -25,7 +25,7 @@ from fastddrive.data.sample import (
 )
 from fastddrive.schema import DrivingResponse
 
-# pygame must draw offscreen: the "dummy" driver silently renders all-black frames.
+# pygame must draw offscreen; its no-op video driver silently renders all-black frames.
 os.environ["SDL_VIDEODRIVER"] = "offscreen"
 os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")
 

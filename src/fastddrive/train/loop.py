@@ -208,7 +208,7 @@ def train(
     elif existing:
         raise ConfigError(f"{out} already holds checkpoints; pass --resume to continue or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config.model_dump(), indent=2))
+    (out / "train_config.json").write_text(json.dumps(config.model_dump(), indent=2))
 
     model = BlockDiffusionModel.from_pretrained(checkpoint.path, training=True) if checkpoint else initial_model(config)
     model.model.to(accelerator.device).train()
