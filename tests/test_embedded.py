@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from fastddrive.data.highway import episode_samples
-from fastddrive.model import BlockDiffusionModel
+from fastddrive.eval.accuracy import greedy_ar_response
+from fastddrive.model import BlockDiffusionModel, model_path
 from fastddrive.scaffold import Scaffold
-from fastddrive.train.loop import model_path, response_of
 
 MAX_CHECKPOINT_BYTES = 25 * 1024 * 1024
 
@@ -25,7 +25,7 @@ def test_embedded_checkpoint_loads_and_answers(name, kind, scene):
     model = BlockDiffusionModel.from_pretrained(path)
     assert model.info.kind == kind and model.is_vision
     scaffold = Scaffold(model.tokenizer, explanation_budget=model.info.explanation_budget)
-    response, ids = response_of(model, scaffold, "ar" if kind == "autoregressive" else "sasd", scene)
+    response, ids = greedy_ar_response(model, scaffold, scene)
     assert response is not None, model.tokenizer.decode(ids)
     assert np.isfinite(np.asarray(response.trajectory)).all()
     assert response.trajectory[-1][0] > 0  # it drives forwards

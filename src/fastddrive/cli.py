@@ -355,8 +355,7 @@ def eval_command(
 
     from fastddrive.data.sample import DrivingDataset
     from fastddrive.eval.accuracy import evaluate_greedy_ar
-    from fastddrive.model import BlockDiffusionModel
-    from fastddrive.train.loop import model_path
+    from fastddrive.model import BlockDiffusionModel, model_path
 
     with user_errors():
         dataset = DrivingDataset.open(data)

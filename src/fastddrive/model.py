@@ -361,6 +361,20 @@ class BlockDiffusionModel:
         return logits[:, : k * r].reshape(batch, k, r, logits.shape[-1]), logits[:, k * r :]
 
 
+EMBEDDED_MODELS = {"default": "tiny-sasd", "default-ar": "tiny-ar"}
+
+
+def model_path(name: str) -> Path:
+    """'default' (the embedded tiny-sasd), 'default-ar' (the embedded tiny-ar), another folder under the
+    package's assets, or a local folder."""
+    from importlib.resources import files
+
+    assets = Path(str(files("fastddrive") / "assets"))
+    if name in EMBEDDED_MODELS:
+        return assets / EMBEDDED_MODELS[name]
+    return assets / name if (assets / name / "config.json").is_file() else Path(name)
+
+
 def _read_info(path: Path) -> CheckpointInfo:
     file = path / INFO_FILE
     if not file.is_file():

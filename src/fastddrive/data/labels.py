@@ -142,7 +142,7 @@ def label(scene: Scene) -> Labels:
     leader = leader_index(scene)
     slower_leader = leader is not None and scene.agent_speed[leader] < scene.ego_speed[0] - 0.5
     side = "left" if lat.endswith("left") or scene.heading_change_rad > 0 else "right"
-    if objects["road_hazard"] and lon in ("decelerate", "stop") or objects["road_hazard"] and "lane_change" in lat:
+    if objects["road_hazard"] and (lon in ("decelerate", "stop") or "lane_change" in lat):
         cause = "hazard"
     elif lat == "yield":
         cause = "yield_merge" if scene.scenario == "merge" else "yield"

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fastddrive.data.sample import DrivingSample
+from fastddrive.decode.ar import ar_free_decode, ar_scaffold_decode
 from fastddrive.eval.metrics import (
     STEPS_3S,
     ade_m,
@@ -17,8 +18,9 @@ from fastddrive.eval.metrics import (
     waypoint_ade_m,
 )
 from fastddrive.model import BlockDiffusionModel
-from fastddrive.scaffold import Scaffold
-from fastddrive.schema import DrivingResponse
+from fastddrive.prompt import chat_text
+from fastddrive.scaffold import DEFAULT_EXPLANATION_BUDGET, Scaffold
+from fastddrive.schema import DrivingResponse, ResponseError, parse
 
 
 @dataclass
@@ -50,16 +52,37 @@ class AccuracyReport:
         return out
 
 
+def greedy_ar_response(
+    model: BlockDiffusionModel, scaffold: Scaffold, sample: DrivingSample
+) -> tuple[DrivingResponse | None, list[int]]:
+    """Greedy AR answer to a sample: (the response, or None if it does not parse; the token ids).
+
+    A block-diffusion model decodes with the scaffold forced; an AR baseline writes the JSON freely.
+    """
+    images = [sample.image] if model.is_vision else []
+    prompt = model.encode_prompt(chat_text(sample.command, sample.history, images=len(images)), images)
+    if model.info.kind == "autoregressive":
+        end = model.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        ids = ar_free_decode(model, prompt, end, max_new_tokens=len(scaffold) + 16)
+        text = model.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        try:
+            return parse(text), ids
+        except ResponseError:
+            return None, ids
+    ids = ar_scaffold_decode(model, prompt, scaffold)
+    try:
+        return scaffold.decode(ids), ids
+    except ResponseError:
+        return None, ids
+
+
 def evaluate_greedy_ar(
     model: BlockDiffusionModel,
     samples: Iterable[DrivingSample],
     on_sample: Callable[[], None] | None = None,
 ) -> AccuracyReport:
     """Greedy AR on every sample (scaffold forced on a block-diffusion model, free JSON on an AR one)."""
-    from fastddrive.train.loop import response_of
-
-    scaffold = Scaffold(model.tokenizer, explanation_budget=model.info.explanation_budget or 32)
-    recipe = "ar" if model.info.kind == "autoregressive" else "sasd"
+    scaffold = Scaffold(model.tokenizer, explanation_budget=model.info.explanation_budget or DEFAULT_EXPLANATION_BUDGET)
     predicted: list[DrivingResponse] = []
     truth: list[DrivingResponse] = []
     ades, cv, failures, rows, count = [], [], [], [], 0
@@ -67,7 +90,7 @@ def evaluate_greedy_ar(
         count += 1
         constant = constant_velocity_m(sample.history)
         cv.append((ade_m(constant, sample.future, STEPS_3S), ade_m(constant, sample.future)))
-        response, _ = response_of(model, scaffold, recipe, sample)
+        response, _ = greedy_ar_response(model, scaffold, sample)
         ade = None
         if response is None:
             failures.append(sample.sample_id)

@@ -22,12 +22,9 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
 from fastddrive.data.sample import DrivingDataset, DrivingSample, from_row
-from fastddrive.decode.ar import ar_free_decode, ar_scaffold_decode
-from fastddrive.eval.metrics import waypoint_ade_m
-from fastddrive.model import BlockDiffusionModel, CheckpointInfo, tiny_image_processor, tiny_qwen2_5_vl
-from fastddrive.prompt import chat_text
+from fastddrive.eval.accuracy import evaluate_greedy_ar
+from fastddrive.model import BlockDiffusionModel, CheckpointInfo, model_path, tiny_image_processor, tiny_qwen2_5_vl
 from fastddrive.scaffold import Scaffold
-from fastddrive.schema import ResponseError, parse
 from fastddrive.tokenizer import default_tokenizer_path, load_tokenizer
 from fastddrive.train.checkpoint import (
     latest_checkpoint,
@@ -68,20 +65,6 @@ class TrainReport:
     last_validation: dict[str, float]
 
 
-EMBEDDED_MODELS = {"default": "tiny-sasd", "default-ar": "tiny-ar"}
-
-
-def embedded_path(name: str) -> Path:
-    from importlib.resources import files
-
-    return Path(str(files("fastddrive") / "assets" / name))
-
-
-def model_path(name: str) -> Path:
-    """'default' (the embedded tiny-sasd), 'default-ar' (the embedded tiny-ar), or a local folder."""
-    return embedded_path(EMBEDDED_MODELS[name]) if name in EMBEDDED_MODELS else Path(name)
-
-
 def initial_model(config: TrainConfig) -> BlockDiffusionModel:
     """The starting point: a tiny Qwen2.5-VL from scratch, an embedded checkpoint, or a local folder."""
     if config.init_from == "scratch":
@@ -90,7 +73,7 @@ def initial_model(config: TrainConfig) -> BlockDiffusionModel:
         wrapper = BlockDiffusionModel(model, tokenizer, tiny_image_processor(config.image_max_pixels))
     else:
         path = (
-            embedded_path(config.init_from.split(":", 1)[1])
+            model_path(config.init_from.split(":", 1)[1])
             if config.init_from.startswith("embedded:")
             else Path(config.init_from)
         )
@@ -117,25 +100,6 @@ def lr_factor(step: int, config: TrainConfig) -> float:
     return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def response_of(model: BlockDiffusionModel, scaffold: Scaffold, recipe: str, sample: DrivingSample) -> tuple:
-    """Greedy AR answer of the model to a sample: (response or None if invalid, token ids)."""
-    images = [sample.image] if model.is_vision else []
-    prompt = model.encode_prompt(chat_text(sample.command, sample.history, images=len(images)), images)
-    if recipe == "ar":
-        end = model.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        ids = ar_free_decode(model, prompt, end, max_new_tokens=len(scaffold) + 16)
-        text = model.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        try:
-            return parse(text), ids
-        except ResponseError:
-            return None, ids
-    ids = ar_scaffold_decode(model, prompt, scaffold)
-    try:
-        return scaffold.decode(ids), ids
-    except ResponseError:
-        return None, ids
-
-
 def validate(
     model: BlockDiffusionModel,
     collator: DualStreamCollator,
@@ -152,16 +116,14 @@ def validate(
         parts = sasd_loss(
             noisy, clean, batch.noisy_labels, batch.noisy_weights, batch.clean_labels, config.alpha, config.beta
         )
-        ades, invalid = [], 0
-        for sample in samples[:ade_samples]:
-            response, _ = response_of(model, collator.scaffold, config.recipe, sample)
-            if response is None:
-                invalid += 1
-                continue
-            ades.append(waypoint_ade_m(np.asarray(response.trajectory), sample.future))
+    accuracy = evaluate_greedy_ar(model, samples[:ade_samples])
     model.model.train()
-    ade3, ade5 = np.mean(ades, axis=0) if ades else (float("nan"), float("nan"))
-    return {"val_loss": parts.total.item(), "val_ade3": float(ade3), "val_ade5": float(ade5), "val_invalid": invalid}
+    return {
+        "val_loss": parts.total.item(),
+        "val_ade3": accuracy.ade3_m,
+        "val_ade5": accuracy.ade5_m,
+        "val_invalid": accuracy.invalid,
+    }
 
 
 def _append_log(out: Path, row: dict[str, Any], resumed_from: int | None = None) -> None:
