@@ -19,9 +19,7 @@ $(VENV)/.installed-test: pyproject.toml constraints.txt | $(BIN)/python
 	touch $@
 
 demo: $(VENV)/.installed
-	$(BIN)/fastddrive data highway --out $(DEMO_DIR) --episodes 10 --workers 2 --overwrite
-	$(BIN)/fastddrive data stats $(DEMO_DIR)
-	$(BIN)/fastddrive data show $(DEMO_DIR) --split test --index 0 --png $(DEMO_DIR)/scene.png
+	$(BIN)/fastddrive demo --out $(DEMO_DIR)
 
 test: $(VENV)/.installed-test
 	$(BIN)/ruff check src tests

@@ -137,3 +137,56 @@ def test_tokenizer_table_command():
     result = _run("tokenizer", "table", "--block-size", 32)
     assert result.exit_code == 0, result.output
     assert "trajectory" in result.output and "slot budgets" in result.output
+
+
+def test_plan_prints_one_json_object_from_a_dataset_scene(small_dataset):
+    result = _run("plan", "--data", small_dataset, "--split", "test", "--index", 0, "--decoder", "ss", "--json")
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert set(answer) >= {"response", "text", "token_ids", "nfe", "tokens", "prefill_ms", "decode_ms", "decoder"}
+    assert answer["decoder"] == "ss" and answer["response"]["trajectory"]
+    ar = json.loads(_run("plan", "--data", small_dataset, "--index", 0, "--decoder", "ar", "--json").stdout)
+    assert ar["token_ids"] == answer["token_ids"] and ar["nfe"] > answer["nfe"]
+
+
+def test_plan_from_an_image_history_and_command(small_dataset, tmp_path):
+    from PIL import Image
+
+    sample = DrivingDataset.open(small_dataset).sample("test", 0)
+    png = tmp_path / "frame.png"
+    Image.fromarray(sample.image).save(png)
+    history = json.dumps(sample.history.tolist())
+    ok = _run(
+        "plan",
+        "--image",
+        png,
+        "--history",
+        history,
+        "--command",
+        sample.command,
+        "--option",
+        "tau=0.5",
+        "--decoder",
+        "sd",
+    )
+    assert ok.exit_code == 0, ok.output
+    assert '"trajectory"' in ok.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--history", "[[1, 2]]", "--command", "go_straight"], "history must be 7 rows"),
+        (["--history", "not json", "--command", "go_straight"], "not valid JSON"),
+        (["--history", json.dumps([[0.0] * 6] * 7), "--command", "fly"], "unknown navigation command"),
+        (["--image", "missing.png", "--history", "[]", "--command", "go_straight"], "cannot read image"),
+        (["--decoder", "beam"], "unknown decoder 'beam'"),
+        (["--option", "tau"], "KEY=VALUE"),
+    ],
+)
+def test_plan_rejects_bad_input_with_a_clear_message(small_dataset, args, message):
+    if "--history" not in args:
+        args = ["--data", small_dataset, *args]
+    result = _run("plan", *args)
+    assert result.exit_code == 2
+    assert message in result.output

@@ -154,3 +154,10 @@ def test_opening_something_that_is_not_a_dataset_is_a_clear_error(tmp_path):
         DrivingDataset.open(tmp_path)
     with pytest.raises(DatasetError, match="is not a directory"):
         DrivingDataset.open(tmp_path / "missing")
+
+
+def test_an_intersection_episode_does_not_change_the_next_episodes():
+    before = episode_samples("merge", 77, max_duration_s=9)
+    episode_samples("intersection", 78, max_duration_s=9)
+    after = episode_samples("merge", 77, max_duration_s=9)
+    assert [s.future.tolist() for s in before] == [s.future.tolist() for s in after]

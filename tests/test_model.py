@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastddrive.model import additive_mask, block_prefix_mask
+from fastddrive.model import additive_mask, block_mask
 from fastddrive.scaffold import Scaffold
 from fastddrive.train.collate import DualStreamCollator
 from fastddrive.train.config import load_config
@@ -59,9 +59,19 @@ def test_packed_clean_stream_equals_a_plain_causal_forward(model):
 
 
 def test_masks_use_the_dtype_minimum_not_minus_infinity():
-    mask = additive_mask(block_prefix_mask(2, 3, causal=True), torch.bfloat16)
+    mask = additive_mask(block_mask(3, causal_head=3)[None], torch.bfloat16)
     assert mask.dtype == torch.bfloat16 and torch.isfinite(mask).all()
     assert (mask == torch.finfo(torch.bfloat16).min).sum() == 3  # the strict upper triangle of 3 new tokens
+
+
+def test_a_draft_block_after_committed_tokens_keeps_them_causal():
+    assert block_mask(4, causal_head=2).tolist() == [
+        [True, False, False, False],
+        [True, True, False, False],
+        [True, True, True, True],
+        [True, True, True, True],
+    ]
+    assert block_mask(3).all()
 
 
 def _prefix(model):

@@ -1,5 +1,6 @@
 import json
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -123,3 +124,20 @@ def test_a_tokenizer_without_the_mask_token_is_refused(tmp_path, tokenizer):
     plain.save_pretrained(str(tmp_path))
     with pytest.raises(MissingDiffusionTokens):
         Scaffold(load_tokenizer(tmp_path))
+
+
+def test_allowed_ids_hold_exactly_the_tokens_a_slot_can_take(tokenizer):
+    scaffold = Scaffold(tokenizer)
+    allowed = scaffold.allowed_ids
+    yes_no = {tokenizer.encode(w, add_special_tokens=False)[0] for w in ("yes", "no")}
+    first = scaffold.slots[0]
+    assert first.name.startswith("critical_objects.") and set(allowed[first.start].tolist()) == yes_no
+    explanation = next(s for s in scaffold.slots if s.name == "explanation")
+    assert all(allowed[p] is None for p in range(explanation.start, explanation.end))
+    assert all(allowed[p] is None for p in np.flatnonzero(~scaffold.is_value))
+    frac = next(s for s in scaffold.slots if s.name.endswith(".frac"))
+    digits = {tokenizer.encode(str(d), add_special_tokens=False)[0] for d in range(10)}
+    assert set(allowed[frac.start].tolist()) == digits
+    for response in (example_response(),):
+        ids = scaffold.encode(response).ids
+        assert all(a is None or ids[p] in a for p, a in enumerate(allowed))

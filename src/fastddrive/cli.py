@@ -35,6 +35,7 @@ def user_errors() -> Iterator[None]:
     from fastddrive.data.build import OutputExists
     from fastddrive.data.highway import UnknownScenario
     from fastddrive.data.sample import DatasetError, SampleError
+    from fastddrive.decode.registry import DecoderError
     from fastddrive.schema import ResponseError
     from fastddrive.tokenizer import MissingDiffusionTokens
     from fastddrive.train.checkpoint import CheckpointError
@@ -49,6 +50,7 @@ def user_errors() -> Iterator[None]:
         MissingDiffusionTokens,
         ConfigError,
         CheckpointError,
+        DecoderError,
     )
     try:
         yield
@@ -346,52 +348,302 @@ def eval_command(
     model: Annotated[str, typer.Option(help="'default', 'default-ar', or a local model folder.")] = "default",
     data: Annotated[Path, typer.Option(help="Dataset folder.")] = Path("runs/sim"),
     split: Annotated[str, typer.Option(help="train, val or test.")] = "test",
+    decoders: Annotated[str, typer.Option(help="Comma-separated decoders, options as sd:tau=0.0.")] = "ar",
     limit: Annotated[int | None, typer.Option(help="Evaluate only the first N samples.")] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda, ...")] = "cpu",
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the figures as JSON.")] = None,
 ) -> None:
-    """Greedy-AR accuracy on a split: ADE@3s/5s next to constant velocity, meta accuracy, critical-object F1."""
+    """Accuracy per decoder on a split: ADE@3s/5s (and constant velocity), RFS, L2, collisions, CO-F1, meta."""
     import dataclasses
     from itertools import islice
 
+    import fastddrive
     from fastddrive.data.sample import DrivingDataset
-    from fastddrive.eval.accuracy import evaluate_greedy_ar
-    from fastddrive.model import BlockDiffusionModel, model_path
+    from fastddrive.eval.accuracy import evaluate
+    from fastddrive.eval.bench import parse_decoder_spec
 
     with user_errors():
+        specs = [d.strip() for d in decoders.split(",") if d.strip()]
+        parsed = [parse_decoder_spec(spec) for spec in specs]
         dataset = DrivingDataset.open(data)
         total = len(dataset.table(split, columns=["sample_id"]))
-        loaded = BlockDiffusionModel.from_pretrained(model_path(model))
+        planner = fastddrive.load(model, device=device)
     n = min(total, limit) if limit else total
+    reports = {}
     with _progress() as progress:
-        task = progress.add_task(f"greedy AR on {split}", total=n, note="")
-        report = evaluate_greedy_ar(
-            loaded, islice(dataset.samples(split), n), on_sample=lambda: progress.update(task, advance=1)
+        for spec, (name, options) in zip(specs, parsed, strict=True):
+            task = progress.add_task(f"{spec} on {split}", total=n, note="")
+            with user_errors():
+                reports[spec] = evaluate(
+                    planner.model,
+                    islice(dataset.samples(split), n),
+                    name,
+                    options,
+                    on_sample=lambda task=task: progress.update(task, advance=1),
+                )
+    table = Table(title=f"{model} on {data} [{split}], {n} samples")
+    columns = ("decoder", "ADE@3s", "ADE@5s", "RFS (sim. raters)", "L2 avg ST-P3", "L2 avg UniAD")
+    for column in (*columns, "coll. avg ST-P3", "CO-F1", "lon acc", "lat acc", "valid"):
+        table.add_column(column, justify="left" if column == "decoder" else "right")
+    first = next(iter(reports.values()))
+    table.add_row("constant velocity", f"{first.cv_ade3_m:.3f}", f"{first.cv_ade5_m:.3f}", *[""] * 8)
+    for spec, r in reports.items():
+        table.add_row(
+            spec,
+            f"{r.ade3_m:.3f}",
+            f"{r.ade5_m:.3f}",
+            "" if r.rfs is None else f"{r.rfs:.2f}",
+            f"{r.l2_m['stp3']['avg']:.3f}" if r.l2_m else "",
+            f"{r.l2_m['uniad']['avg']:.3f}" if r.l2_m else "",
+            f"{r.collision['stp3']['avg']:.2%}" if r.collision else "",
+            f"{r.critical_object_f1:.3f}",
+            f"{r.longitudinal_accuracy:.3f}",
+            f"{r.lateral_accuracy:.3f}",
+            f"{r.validity:.1%}",
         )
-    table = Table(title=f"{model} on {data} [{split}], {report.samples} samples, greedy AR")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    rows = [
-        ("ADE@3s (m)", f"{report.ade3_m:.3f}"),
-        ("ADE@5s (m)", f"{report.ade5_m:.3f}"),
-        ("constant velocity ADE@3s (m)", f"{report.cv_ade3_m:.3f}"),
-        ("constant velocity ADE@5s (m)", f"{report.cv_ade5_m:.3f}"),
-        ("longitudinal accuracy", f"{report.longitudinal_accuracy:.3f}"),
-        ("lateral accuracy", f"{report.lateral_accuracy:.3f}"),
-        ("critical-object F1", f"{report.critical_object_f1:.3f}"),
-        ("invalid answers", f"{report.invalid} of {report.samples}"),
-    ]
-    for name, value in rows:
-        table.add_row(name, value)
     console.print(table)
+    for spec, r in reports.items():
+        for failure in r.failures:
+            Console(stderr=True).print(f"[bold red]{spec} failed on[/] {failure}", highlight=False)
     scenarios = Table(title="ADE@5s per scenario (m)")
-    for column in ("scenario", "samples", "model", "constant velocity"):
+    for column in ("scenario", "samples", *reports, "constant velocity"):
         scenarios.add_column(column, justify="left" if column == "scenario" else "right")
-    for name, row in report.by_scenario().items():
-        scenarios.add_row(name, str(row["samples"]), f"{row['ade5_m']:.3f}", f"{row['cv_ade5_m']:.3f}")
+    per_scenario = {spec: r.by_scenario() for spec, r in reports.items()}
+    for name, row in first.by_scenario().items():
+        cells = [f"{per_scenario[spec][name]['ade5_m']:.3f}" for spec in reports]
+        scenarios.add_row(name, str(row["samples"]), *cells, f"{row['cv_ade5_m']:.3f}")
     console.print(scenarios)
     if json_out is not None:
-        json_out.write_text(json.dumps(dataclasses.asdict(report) | {"by_scenario": report.by_scenario()}, indent=2))
+        payload = {
+            spec: dataclasses.asdict(r) | {"validity": r.validity, "by_scenario": r.by_scenario()}
+            for spec, r in reports.items()
+        }
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps({"model": model, "split": split, "decoders": payload}, indent=2))
         console.print(f"wrote {json_out}")
+
+
+def _read_image(path: Path):
+    import numpy as np
+    from PIL import Image, UnidentifiedImageError
+
+    from fastddrive.data.sample import SampleError
+
+    try:
+        with Image.open(path) as image:
+            return np.asarray(image.convert("RGB"))
+    except (OSError, UnidentifiedImageError) as err:
+        raise SampleError(f"cannot read image {path}: {err}") from None
+
+
+def _read_history(text: str):
+    from fastddrive.data.sample import SampleError
+
+    source = Path(text)
+    raw = source.read_text() if source.suffix == ".json" and source.is_file() else text
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise SampleError(f"--history is not valid JSON ({err}); give 7 rows of [x, y, vx, vy, ax, ay]") from None
+
+
+def _decoder_options(pairs: list[str]) -> dict[str, object]:
+    from fastddrive.decode.registry import DecoderError
+
+    options: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise DecoderError(f"--option takes KEY=VALUE, got {pair!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+@app.command("plan")
+def plan_command(
+    model: Annotated[str, typer.Option(help="'default', 'default-ar', or a local model folder.")] = "default",
+    data: Annotated[Path | None, typer.Option(help="Dataset folder to take the scene from.")] = None,
+    split: Annotated[str, typer.Option(help="train, val or test (with --data).")] = "test",
+    index: Annotated[int, typer.Option(help="Sample index in the split (with --data).")] = 0,
+    image: Annotated[list[Path] | None, typer.Option(help="Camera image (PNG); repeat for several.")] = None,
+    history: Annotated[
+        str | None, typer.Option(help="Ego history: JSON text or a .json file, 7 rows of [x, y, vx, vy, ax, ay].")
+    ] = None,
+    command: Annotated[str | None, typer.Option(help="go_straight, go_left or go_right.")] = None,
+    decoder: Annotated[str, typer.Option(help="A registered decoder (ar, fullseq, mdm, sd, selfspec, ...).")] = "ss",
+    option: Annotated[list[str] | None, typer.Option(help="Decoder option KEY=VALUE (tau=0.5); repeatable.")] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:1, ...")] = "cpu",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the summary.")] = False,
+) -> None:
+    """Plan one scene: from a dataset (--data/--split/--index) or from --image/--history/--command."""
+    import fastddrive
+    from fastddrive.data.sample import DrivingDataset, SampleError
+
+    with user_errors():
+        options = _decoder_options(option or [])
+        if data is not None:
+            if image or history or command:
+                raise SampleError("give either --data or --image/--history/--command, not both")
+            scene = DrivingDataset.open(data).sample(split, index)
+        else:
+            if history is None or command is None:
+                raise SampleError("without --data, --history and --command are required (and --image for a VLM)")
+            scene = fastddrive.PlanInputs.checked(
+                images=[_read_image(p) for p in image or []], history=_read_history(history), command=command
+            )
+        planner = fastddrive.load(model, device=device)
+        if planner.model.is_vision and isinstance(scene, fastddrive.PlanInputs) and not scene.images:
+            raise SampleError("this model reads images: give --image")
+        result = planner.plan(scene, decoder, **options)
+    if as_json:
+        print(json.dumps(result.to_json()))
+        return
+    table = Table(title=f"{decoder} on {model}")
+    for column in ("NFE", "tokens", "tokens/NFE", "prefill ms", "decode ms", "tokens/s"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        str(result.nfe),
+        str(result.tokens),
+        f"{result.tokens_per_nfe:.2f}",
+        f"{result.prefill_ms:.1f}",
+        f"{result.decode_ms:.1f}",
+        f"{result.tokens_per_s:.0f}",
+    )
+    console.print(table)
+    console.print(result.text, highlight=False, soft_wrap=True)
+    if result.response is None:
+        Console(stderr=True).print(f"[bold red]the answer does not parse:[/] {result.error}", highlight=False)
+        raise typer.Exit(1)
+
+
+@app.command("bench")
+def bench_command(
+    model: Annotated[str, typer.Option(help="'default' or a local block-diffusion model folder.")] = "default",
+    data: Annotated[Path | None, typer.Option(help="Dataset folder (its --split is used).")] = None,
+    split: Annotated[str, typer.Option(help="train, val or test (with --data).")] = "test",
+    scenes: Annotated[int, typer.Option(help="Without --data: time this many fresh simulator scenes.")] = 10,
+    decoders: Annotated[
+        str, typer.Option(help="Comma-separated decoders, 'all', options as sd:tau=0.0:block_size=16.")
+    ] = "all",
+    samples: Annotated[int, typer.Option(help="With --data: time this many of its scenes.")] = 50,
+    baseline: Annotated[
+        str | None, typer.Option(help="Also time this separately trained AR model writing JSON freely.")
+    ] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda, ...")] = "cpu",
+    seed: Annotated[int, typer.Option(help="Seed of the fresh scenes (without --data).")] = 7,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the rows as JSON.")] = None,
+    png: Annotated[Path | None, typer.Option(help="Write the speed-accuracy frontier as PNG.")] = None,
+) -> None:
+    """Every decoder on the same scenes in one process: NFE, tokens/NFE, tokens/s, latency, speed-up, ADE."""
+
+    import fastddrive
+    from fastddrive.decode.registry import DECODERS
+    from fastddrive.eval.bench import DecoderRun, parse_decoder_spec
+    from fastddrive.eval.plots import draw_frontier
+
+    with user_errors():
+        specs = list(DECODERS) if decoders == "all" else [d.strip() for d in decoders.split(",") if d.strip()]
+        parsed = [parse_decoder_spec(spec) for spec in specs]
+        planner = fastddrive.load(model, device=device)
+        runs = [DecoderRun(spec, name, options, planner) for spec, (name, options) in zip(specs, parsed, strict=True)]
+        if baseline:
+            runs.insert(0, DecoderRun(f"ar ({baseline}, free JSON)", "ar", {}, fastddrive.load(baseline, device)))
+        chosen = _bench_scenes(data, split, seed, (samples if data else scenes) + 1)
+    rows, _ = _run_bench(runs, chosen, f"{model}: {len(chosen) - 1} scenes, medians ({device})")
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"model": model, "device": device, "rows": [r.to_json() for r in rows]}
+        json_out.write_text(json.dumps(payload, indent=2))
+        console.print(f"wrote {json_out}")
+    if png is not None:
+        draw_frontier([r.to_json() for r in rows], png, title=f"{model}, {len(chosen) - 1} scenes, {device}")
+        console.print(f"wrote {png}")
+
+
+def _run_bench(runs: list, scenes: list, title: str) -> tuple[list, dict]:
+    """Run the decoders with a progress bar and print the table; (rows, per-scene results)."""
+    from fastddrive.eval.bench import run_decoders, summarise
+
+    with _progress() as progress:
+        task = progress.add_task("decoding", total=len(runs) * (len(scenes) - 1), note=f"{len(runs)} decoders")
+        results = run_decoders(runs, scenes, warmup=1, on_result=lambda: progress.update(task, advance=1))
+    rows = summarise(runs, scenes[1:], results)
+    table = Table(title=title)
+    columns = ("decoder", "NFE", "tok/NFE", "tok/s", "ms", "p90 ms", "prefill", "decode", "speed-up", "ADE@5s")
+    for column in (*columns, "invalid", "same ids as ar"):
+        table.add_column(column, justify="left" if column == "decoder" else "right")
+    for row in rows:
+        table.add_row(
+            row.label,
+            f"{row.nfe:.0f}",
+            f"{row.tokens_per_nfe:.2f}",
+            f"{row.tokens_per_s:.0f}",
+            f"{row.latency_ms:.1f}",
+            f"{row.p90_latency_ms:.1f}",
+            f"{row.prefill_ms:.1f}",
+            f"{row.decode_ms:.1f}",
+            "" if row.speedup_vs_ar is None else f"{row.speedup_vs_ar:.2f}x",
+            "" if row.ade5 is None else f"{row.ade5:.3f}",
+            str(row.invalid),
+            "" if row.identical_to_ar is None else f"{row.identical_to_ar:.0%}",
+        )
+    console.print(table)
+    return rows, results
+
+
+def _bench_scenes(data: Path | None, split: str, seed: int, needed: int) -> list:
+    """`needed` scenes (the first warms up): from a dataset split, or fresh seeded simulator episodes."""
+    from itertools import cycle, islice
+
+    from fastddrive.data.highway import SCENARIOS, episode_samples
+    from fastddrive.data.sample import DrivingDataset, SampleError
+
+    if data is not None:
+        chosen = list(islice(DrivingDataset.open(data).samples(split), needed))
+    else:
+        chosen = []  # one scene per episode (its first, at t = 3 s), cycling the scenario types
+        for k, name in zip(range(needed * 3), cycle(SCENARIOS)):
+            chosen += episode_samples(name, seed * 100_000 + k, max_duration_s=9)[:1]
+            if len(chosen) >= needed:
+                break
+    if len(chosen) < 2:
+        raise SampleError("the benchmark needs at least 2 scenes (one is the warm-up)")
+    return chosen
+
+
+@app.command("demo")
+def demo_command(
+    out: Annotated[Path, typer.Option(help="Folder for the pictures and the JSON answer.")] = Path("runs/demo"),
+    scenes: Annotated[int, typer.Option(help="Fresh simulator scenes to plan (one more warms up).")] = 6,
+    seed: Annotated[int, typer.Option(help="Seed of the fresh scenes.")] = 2026,
+    model: Annotated[str, typer.Option(help="'default' or a local block-diffusion model folder.")] = "default",
+) -> None:
+    """The tour: fresh simulator scenes planned by ar, sd, ss and tts; a table, an answer, and pictures."""
+    import fastddrive
+    from fastddrive.eval.bench import DecoderRun
+    from fastddrive.eval.plots import draw_frontier, draw_scene
+
+    with user_errors():
+        console.print(f"simulating {scenes + 1} fresh scenes (seed {seed}) and loading {model} ...")
+        chosen = _bench_scenes(None, "test", seed, scenes + 1)
+        planner = fastddrive.load(model)
+    runs = [DecoderRun(name, name, {}, planner) for name in ("ar", "sd", "ss", "tts")]
+    rows, results = _run_bench(runs, chosen, f"{model} on {scenes} fresh scenes, medians (CPU)")
+    timed = chosen[1:]
+    first = results["ss"][0]
+    console.print(f"[bold]ss answer for {timed[0].sample_id}[/] ({timed[0].scenario}, {timed[0].command}):")
+    console.print(first.text, highlight=False, soft_wrap=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "answer.json").write_text(json.dumps(first.to_json(), indent=2))
+    for k, scene in enumerate(timed):
+        plans = {run.label: results[run.label][k] for run in runs}
+        drawn = {label: r.response.trajectory for label, r in plans.items() if r.response is not None}
+        draw_scene(scene, out / f"scene-{k}-{scene.scenario}.png", drawn)
+    draw_frontier([r.to_json() for r in rows], out / "frontier.png", title=f"{model}, {scenes} scenes, CPU")
+    console.print(f"wrote {len(timed)} scene pictures, frontier.png and answer.json to {out}")
 
 
 def main() -> None:

@@ -88,6 +88,20 @@ class KVCache:
         """k independent copies (for rollouts that share this prefix)."""
         return [KVCache(copy.deepcopy(self.cache), self.length, self.rope_delta) for _ in range(k)]
 
+    def keep(self, start: int, indices: Sequence[int]) -> None:
+        """Keep the first `start` positions and, of the ones after them, those at `indices` (in order).
+
+        Used after a tree-shaped forward (paper 002 Algorithm 2), whose kept tokens are not contiguous.
+        """
+        if not 0 <= start <= self.length or any(not 0 <= i < self.length - start for i in indices):
+            raise ValueError(f"cannot keep {list(indices)} after {start} of {self.length} positions")
+        for layer in self.cache.layers:
+            index = torch.cat([torch.arange(start), start + torch.as_tensor(list(indices), dtype=torch.long)])
+            index = index.to(layer.keys.device)
+            layer.keys = layer.keys.index_select(-2, index)
+            layer.values = layer.values.index_select(-2, index)
+        self.length = start + len(indices)
+
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Boolean (B, Q, K) -> float (B, 1, Q, K): 0 where allowed, the dtype's minimum elsewhere."""
@@ -96,12 +110,12 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return blocked[:, None]
 
 
-def block_prefix_mask(prefix: int, n: int, causal: bool) -> torch.Tensor:
-    """(1, n, prefix + n): n new tokens see all `prefix` cached ones, and each other (causally or not)."""
-    allowed = torch.ones(n, prefix + n, dtype=torch.bool)
-    if causal:
-        allowed[:, prefix:] = torch.ones(n, n, dtype=torch.bool).tril()
-    return allowed[None]
+def block_mask(n: int, causal_head: int = 0) -> torch.Tensor:
+    """Allowed attention (n, n) among n new tokens: the first `causal_head` causal (committed tokens), the
+    rest one bidirectional block that also sees them. causal_head = n is plain causal attention."""
+    allowed = torch.ones(n, n, dtype=torch.bool)
+    allowed[:causal_head] = allowed[:causal_head].tril()
+    return allowed
 
 
 def dual_stream_mask(
@@ -268,10 +282,6 @@ class BlockDiffusionModel:
         positions, deltas = self.core.model.get_rope_index(input_ids, mm_token_type_ids=token_type, image_grid_thw=grid)
         return positions, deltas.reshape(-1)
 
-    def _text_positions(self, start: int, n: int, rope_delta: int) -> torch.Tensor:
-        positions = torch.arange(start, start + n, device=self.device)[None] + rope_delta
-        return positions.expand(3, 1, n) if self.is_vision else positions
-
     # ----------------------------------------------------------------- decoding operations
     @torch.no_grad()
     def prefill(self, prompt: PromptInputs) -> tuple[torch.Tensor, KVCache]:
@@ -286,7 +296,7 @@ class BlockDiffusionModel:
         out = self.model(
             input_ids=ids,
             position_ids=positions.to(self.device),
-            attention_mask=additive_mask(block_prefix_mask(0, n, causal=True), self.dtype).to(self.device),
+            attention_mask=additive_mask(block_mask(n, causal_head=n)[None], self.dtype).to(self.device),
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
@@ -295,30 +305,66 @@ class BlockDiffusionModel:
         return out.logits[0, -1], KVCache(cache, n, int(deltas[0]))
 
     @torch.no_grad()
-    def draft(self, cache: KVCache, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        """MDM head: logits (n, V) of a block seen bidirectionally with the cached prefix; cache unchanged."""
-        logits = self._extend(cache, ids, causal=False)
+    def draft(self, cache: KVCache, ids: torch.Tensor | Sequence[int], causal_head: int = 0) -> torch.Tensor:
+        """MDM head: logits (n, V) of a block seen bidirectionally with the cached prefix; cache unchanged.
+
+        The first `causal_head` ids are committed tokens not yet in the cache: they stay causal, as the
+        clean context of training does, and the block after them sees them.
+        """
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        logits = self.tree(cache, ids, torch.arange(len(ids)), block_mask(len(ids), causal_head))
         cache.crop(cache.length - len(logits))
         return logits
 
     @torch.no_grad()
     def verify(self, cache: KVCache, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """AR head: causal logits (n, V) of `ids` after the cached prefix; the cache now holds them too."""
-        return self._extend(cache, ids, causal=True)
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        return self.tree(cache, ids, torch.arange(len(ids)), block_mask(len(ids), causal_head=len(ids)))
 
-    def _extend(self, cache: KVCache, ids: torch.Tensor | Sequence[int], causal: bool) -> torch.Tensor:
+    @torch.no_grad()
+    def tree(
+        self, cache: KVCache, ids: torch.Tensor | Sequence[int], offsets: torch.Tensor, allowed: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits (n, V) of n new tokens after the cached prefix, each at position prefix + offsets[i],
+        token i seeing every cached position and the new tokens j with allowed[i, j]. The cache now
+        holds all n (see `KVCache.keep` to drop some). `draft` and `verify` are its two plain cases."""
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(1, -1)
         n = ids.shape[1]
-        mask = additive_mask(block_prefix_mask(cache.length, n, causal), self.dtype).to(self.device)
+        full = torch.cat([torch.ones(n, cache.length, dtype=torch.bool), allowed.to(torch.bool)], dim=1)
+        positions = cache.length + cache.rope_delta + torch.as_tensor(offsets, device=self.device)[None]
         out = self.model(
             input_ids=ids,
-            position_ids=self._text_positions(cache.length, n, cache.rope_delta),
-            attention_mask=mask,
+            position_ids=positions.expand(3, 1, n) if self.is_vision else positions,
+            attention_mask=additive_mask(full[None], self.dtype).to(self.device),
             past_key_values=cache.cache,
             use_cache=True,
         )
         cache.length += n
         return out.logits[0]
+
+    @torch.no_grad()
+    def full_sequence_logits(self, prompt: PromptInputs, canvas: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """One forward of [prompt ; canvas] that reuses no cache: the prompt causal, the canvas bidirectional
+        and seeing the whole prompt (the dVLM-AD-style full-sequence mode). Returns (len(canvas), V): row i
+        predicts canvas position i (token shift: row 0 comes from the prompt's last position)."""
+        canvas = torch.as_tensor(canvas, dtype=torch.long).reshape(1, -1)
+        p, n = prompt.input_ids.shape[1], canvas.shape[1]
+        ids = torch.cat([prompt.input_ids, canvas], dim=1)
+        positions, _ = self._rope_positions(ids, prompt.image_grid_thw)
+        allowed = block_mask(p + n, causal_head=p)
+        kwargs = {}
+        if prompt.pixel_values is not None:
+            kwargs = {"pixel_values": prompt.pixel_values.to(self.device), "image_grid_thw": prompt.image_grid_thw}
+        out = self.model(
+            input_ids=ids.to(self.device),
+            position_ids=positions.to(self.device),
+            attention_mask=additive_mask(allowed[None], self.dtype).to(self.device),
+            use_cache=False,
+            logits_to_keep=n + 1,
+            **kwargs,
+        )
+        return out.logits[0, :-1]
 
     # ----------------------------------------------------------------- training forward
     def dual_stream_logits(

@@ -150,6 +150,24 @@ class Scaffold:
             spans[name] = (int(where[0]), int(where[-1]) + 1)
         return spans
 
+    @cached_property
+    def allowed_ids(self) -> list[np.ndarray | None]:
+        """Per position, the token ids its slot can hold there (<|NULL|> where a shorter value pads), or
+        None (scaffold and the free-text explanation). MDM decoders keep their drafts inside these."""
+        allowed: list[np.ndarray | None] = [None] * len(self)
+        per_choices: dict[tuple[str, ...], list[np.ndarray]] = {}
+        for slot in self.slots:
+            choices = slot_choices(slot.name)
+            if choices is None:
+                continue
+            if choices not in per_choices:
+                tokenized = [self._tokens(c) for c in choices]
+                per_choices[choices] = [
+                    np.unique([t[j] if j < len(t) else self.null_id for t in tokenized]) for j in range(slot.budget)
+                ]
+            allowed[slot.start : slot.end] = per_choices[choices]
+        return allowed
+
     def blocks(self, block_size: int = DEFAULT_BLOCK_SIZE) -> list[Block]:
         """Section-aligned blocks: each section cut into consecutive blocks of at most `block_size`."""
         if block_size < 1:

@@ -4,6 +4,8 @@ Every episode is one parquet shard written atomically into its split's folder, s
 picks up where it stopped: the manifest records the settings, and a rerun with the same settings
 skips the shards that exist. Splits are by episode (no scene in two splits). A failed episode is
 reported and the others still complete; the dataset is marked complete only when none failed.
+Val and test episodes also get the simulated raters (data/raters.py) that the WOD-E2E rater feedback
+score needs; training episodes do not (nothing trains on them, and they cost several times the episode).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from fastddrive.data.sample import DATASET_FORMAT, MANIFEST, SPLITS, write_shard
 # small datasets have one.
 SPLIT_CYCLE = ("train", "test", "train", "val", "train", "train", "train", "train", "train", "train")
 SEED_STRIDE = 100_000
+RATER_SPLITS = ("val", "test")  # the splits that are scored with the rater feedback score
 
 
 class OutputExists(FileExistsError):
@@ -39,6 +42,7 @@ class EpisodeJob:
     seed: int
     split: str
     shard: str  # path relative to the dataset root
+    raters: bool = False  # roll out and score the simulated raters for every sample
 
 
 @dataclass(frozen=True)
@@ -63,8 +67,13 @@ class BuildReport:
         return self.samples / self.seconds if self.seconds > 0 else 0.0
 
 
-def plan_episodes(episodes: int, seed: int, scenarios: list[str]) -> list[EpisodeJob]:
-    """Episode i uses scenario i mod S and seed `seed * 100000 + i`; its split follows SPLIT_CYCLE."""
+def plan_episodes(
+    episodes: int, seed: int, scenarios: list[str], rater_splits: tuple[str, ...] = RATER_SPLITS
+) -> list[EpisodeJob]:
+    """Episode i uses scenario i mod S and seed `seed * 100000 + i`; its split follows SPLIT_CYCLE.
+
+    Episodes in `rater_splits` (val and test by default) get the simulated raters; training ones do not.
+    """
     if episodes < 1:
         raise ValueError(f"episodes must be >= 1, got {episodes}")
     if episodes > SEED_STRIDE:
@@ -74,12 +83,14 @@ def plan_episodes(episodes: int, seed: int, scenarios: list[str]) -> list[Episod
         scenario = scenarios[i % len(scenarios)]
         split = SPLIT_CYCLE[(i // len(scenarios)) % len(SPLIT_CYCLE)]
         episode_seed = seed * SEED_STRIDE + i
-        jobs.append(EpisodeJob(i, scenario, episode_seed, split, f"{split}/{i:05d}-{scenario}-{episode_seed}.parquet"))
+        shard = f"{split}/{i:05d}-{scenario}-{episode_seed}.parquet"
+        jobs.append(EpisodeJob(i, scenario, episode_seed, split, shard, raters=split in rater_splits))
     return jobs
 
 
-def _settings(episodes: int, seed: int, scenarios: list[str]) -> dict[str, object]:
+def _settings(episodes: int, seed: int, scenarios: list[str], rater_splits: tuple[str, ...]) -> dict[str, object]:
     from fastddrive.data.highway import FRAME_SIZE_PX, SIMULATION_HZ
+    from fastddrive.data.raters import DRIVERS, RULE_VERSION
 
     return {
         "source": "highway-env",
@@ -89,6 +100,12 @@ def _settings(episodes: int, seed: int, scenarios: list[str]) -> dict[str, objec
         "scenarios": scenarios,
         "frame_size_px": list(FRAME_SIZE_PX),
         "simulation_hz": SIMULATION_HZ,
+        # Which splits carry simulated raters, and by which drivers and score rule (data/raters.py).
+        "raters": {
+            "splits": [s for s in SPLITS if s in rater_splits],
+            "drivers": list(DRIVERS),
+            "rule_version": RULE_VERSION,
+        },
     }
 
 
@@ -135,7 +152,7 @@ def run_episode(root: str, job: EpisodeJob) -> EpisodeResult:
     try:
         from fastddrive.data.highway import build_sample, sample_steps, simulate_episode
 
-        log = simulate_episode(job.scenario, job.seed)
+        log = simulate_episode(job.scenario, job.seed, raters=job.raters)
         samples = [build_sample(log, k) for k in sample_steps(log)]
         write_shard(Path(root) / job.shard, samples)
         return EpisodeResult(job, len(samples), time.perf_counter() - start, log.end_reason)
@@ -152,14 +169,21 @@ def build_dataset(
     overwrite: bool = False,
     on_start: Callable[[int, int], None] | None = None,
     on_episode: Callable[[EpisodeResult], None] | None = None,
+    rater_splits: tuple[str, ...] = RATER_SPLITS,
 ) -> BuildReport:
-    """Generate (or resume) a dataset in `out`. `on_start(todo, done)` and `on_episode` report progress."""
+    """Generate (or resume) a dataset in `out`. `on_start(todo, done)` and `on_episode` report progress.
+
+    The samples of `rater_splits` (val and test) carry simulated raters; the manifest's settings say so.
+    """
     from fastddrive.data.highway import check_scenarios
 
     check_scenarios(scenarios)
     out = Path(out)
-    jobs = plan_episodes(episodes, seed, scenarios)
-    settings = _settings(episodes, seed, scenarios)
+    unknown = [s for s in rater_splits if s not in SPLITS]
+    if unknown:
+        raise ValueError(f"unknown split {unknown[0]!r} for raters; known: {', '.join(SPLITS)}")
+    jobs = plan_episodes(episodes, seed, scenarios, rater_splits)
+    settings = _settings(episodes, seed, scenarios, rater_splits)
     _prepare_output(out, settings, overwrite)
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / MANIFEST

@@ -12,7 +12,7 @@ import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from fastddrive.data.sample import (
     DrivingSample,
 )
 from fastddrive.schema import DrivingResponse
+
+if TYPE_CHECKING:
+    from fastddrive.data.raters import RaterSet
 
 # pygame must draw offscreen; its no-op video driver silently renders all-black frames.
 os.environ["SDL_VIDEODRIVER"] = "offscreen"
@@ -110,6 +113,7 @@ class Step:
     lane_heading: float  # heading of the lane under the ego (world, rad): road geometry, not steering
     others: dict[int, VehicleState]
     frame: np.ndarray | None = None
+    raters: RaterSet | None = None  # alternative futures from this step (world frame), see data/raters.py
 
 
 @dataclass
@@ -127,7 +131,15 @@ class EpisodeLog:
         return len(self.steps) - 1 if self.end_reason == "crash" else len(self.steps)
 
 
+# highway-env's intersection sets these on the IDMVehicle class itself, so they would leak into every
+# later episode of the process (and a dataset would depend on which episodes shared a worker).
+IDM_CLASS_DEFAULTS = {k: getattr(IDMVehicle, k) for k in ("DISTANCE_WANTED", "COMFORT_ACC_MAX", "COMFORT_ACC_MIN")}
+
+
 def make_env(scenario: str) -> gym.Env:
+    """A fresh environment of `scenario` whose traffic starts from highway-env's default IDM settings."""
+    for name, value in IDM_CLASS_DEFAULTS.items():
+        setattr(IDMVehicle, name, value)
     spec = SCENARIOS[scenario]
     config = {
         **spec.config,
@@ -226,11 +238,16 @@ def simulate_episode(
     seed: int,
     max_duration_s: float | None = None,
     setup: Callable[[gym.Env, ExpertVehicle], None] | None = None,
+    raters: bool = False,
 ) -> EpisodeLog:
     """Run one seeded episode with the expert; record every 0.25 s and render every 1 s from 3 s on.
 
-    `setup(env, expert)`, if given, runs once before the first step to stage a situation.
+    `setup(env, expert)`, if given, runs once before the first step to stage a situation. With `raters`,
+    every rendered step with 5 s of episode left also gets the simulated raters (data/raters.py), rolled
+    out in copies of the simulator: the episode itself comes out exactly as without them.
     """
+    if raters:
+        from fastddrive.data.raters import rate  # imports this module: loaded only when asked for
     spec = SCENARIOS[scenario]
     duration = spec.max_duration_s if max_duration_s is None else max_duration_s
     env = make_env(scenario)
@@ -246,8 +263,12 @@ def simulate_episode(
         centering = sim.config["centering_position"]
         log.ego_pixel = (centering[0] * FRAME_SIZE_PX[0], centering[1] * FRAME_SIZE_PX[1])
         lane = expert.lane_index
+        # Other cars are keyed by id(); holding every car until the episode ends stops a later car from
+        # reusing a departed one's id, which would hang on how memory happened to be reused (rater copies).
+        alive: dict[int, Any] = {}
         k = 0
         while True:
+            alive.update((id(v), v) for v in sim.road.vehicles)
             step = Step(
                 time_s=float(sim.time),
                 ego=_state(expert),
@@ -260,6 +281,8 @@ def simulate_episode(
             lane = expert.lane_index
             if k % SAMPLE_EVERY_STEPS == 0 and k >= (HISTORY_STEPS - 1) * HISTORY_STRIDE:
                 step.frame = env.render()
+                if raters and sim.time + FUTURE_STEPS / STEP_HZ <= duration + 1e-9:
+                    step.raters = rate(sim)
             log.steps.append(step)
             if expert.crashed:
                 log.end_reason = "crash"
@@ -353,6 +376,7 @@ def build_sample(log: EpisodeLog, k: int) -> DrivingSample:
     )
     found = rules.label(scene)
     rng = np.random.default_rng([log.seed, k])
+    raters = steps[k].raters
     response = DrivingResponse(
         critical_objects=found.critical_objects,
         explanation=rules.explanation(found, log.scenario, rng),
@@ -374,6 +398,10 @@ def build_sample(log: EpisodeLog, k: int) -> DrivingSample:
         ego_size=now.size,
         agents=agents,
         agent_size=agent_size,
+        rater_trajectories=np.zeros((0, FUTURE_STEPS, 2))
+        if raters is None
+        else _to_ego(raters.positions, origin, heading),
+        rater_scores=np.zeros(0) if raters is None else raters.scores,
     )
 
 
@@ -382,7 +410,8 @@ def episode_samples(
     seed: int,
     max_duration_s: float | None = None,
     setup: Callable[[gym.Env, ExpertVehicle], None] | None = None,
+    raters: bool = False,
 ) -> list[DrivingSample]:
-    """All samples of one seeded episode."""
-    log = simulate_episode(scenario, seed, max_duration_s, setup)
+    """All samples of one seeded episode; with `raters`, each carries the simulated raters' futures and scores."""
+    log = simulate_episode(scenario, seed, max_duration_s, setup, raters=raters)
     return [build_sample(log, k) for k in sample_steps(log)]

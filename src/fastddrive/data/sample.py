@@ -2,7 +2,9 @@
 
 Units and frames: metres, seconds, m/s, m/s^2; every array is in the ego frame at t = 0 (+x forward,
 +y left). A dataset folder holds `manifest.json` and one parquet shard per episode under
-`train/`, `val/` and `test/`.
+`train/`, `val/` and `test/`. Val and test samples of simulator datasets also carry up to 3 simulated
+raters' futures with 0..10 scores (data/raters.py) for the WOD-E2E rater feedback score; shards written
+before raters existed read back with none.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ FUTURE_INTERVAL_S = 0.25
 NAV_COMMANDS: tuple[str, ...] = ("go_straight", "go_left", "go_right")
 SPLITS: tuple[str, ...] = ("train", "val", "test")
 IMAGE_UNIT_PX = 28  # Qwen2.5-VL: 14-pixel patches merged 2x2
+MAX_RATERS = 3  # WOD-E2E: up to 3 rater trajectories per scene
+RATER_MAX_SCORE = 10.0
 MANIFEST = "manifest.json"
 DATASET_FORMAT = "fastddrive-driving-samples"
 
@@ -67,7 +71,8 @@ class DrivingSample:
     0.5 s, columns x, y [m], vx, vy [m/s], ax, ay [m/s^2]. future: (20, 2) expert positions [m] at
     `future_time_s` (0.25..5.0 s). agents: other vehicles' (N, 21, 3) x, y [m], heading [rad] at
     t = 0..5 s every 0.25 s (NaN where a vehicle has left the scene); agent_size: (N, 2) length,
-    width [m].
+    width [m]. rater_trajectories: (R, 20, 2) alternative futures [m] at the times of `future`, R in 0..3;
+    rater_scores: (R,) their scores in [0, 10] (none by default: training samples need no raters).
     """
 
     sample_id: str
@@ -84,6 +89,8 @@ class DrivingSample:
     ego_size: tuple[float, float] = (5.0, 2.0)
     agents: np.ndarray = field(default_factory=lambda: np.zeros((0, FUTURE_STEPS + 1, 3)))
     agent_size: np.ndarray = field(default_factory=lambda: np.zeros((0, 2)))
+    rater_trajectories: np.ndarray = field(default_factory=lambda: np.zeros((0, FUTURE_STEPS, 2)))
+    rater_scores: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     def __post_init__(self) -> None:
         check_image(self.image)
@@ -91,6 +98,10 @@ class DrivingSample:
         check_command(self.command)
         if self.future.shape != (FUTURE_STEPS, 2) or not np.isfinite(self.future).all():
             raise SampleError(f"future must be {FUTURE_STEPS} finite [x, y] points, got shape {self.future.shape}")
+        # Stored as float arrays whatever sequence was given, so that rows and metrics can rely on it.
+        object.__setattr__(self, "rater_trajectories", np.asarray(self.rater_trajectories, dtype=np.float64))
+        object.__setattr__(self, "rater_scores", np.asarray(self.rater_scores, dtype=np.float64))
+        check_raters(self.rater_trajectories, self.rater_scores)
 
 
 def check_image(image: Any) -> None:
@@ -114,6 +125,21 @@ def check_history(history: Any) -> None:
         )
     if not np.isfinite(array).all():
         raise SampleError("history holds NaN or infinite values")
+
+
+def check_raters(trajectories: np.ndarray, scores: np.ndarray) -> None:
+    """Raise SampleError unless there are R in 0..3 finite (20, 2) rater futures with one score in [0, 10] each."""
+    if trajectories.ndim != 3 or trajectories.shape[1:] != (FUTURE_STEPS, 2) or len(trajectories) > MAX_RATERS:
+        raise SampleError(
+            f"rater_trajectories must be (R, {FUTURE_STEPS}, 2) [x, y] points with R in 0..{MAX_RATERS}, "
+            f"got shape {trajectories.shape}"
+        )
+    if not np.isfinite(trajectories).all():
+        raise SampleError("rater_trajectories hold NaN or infinite values")
+    if scores.shape != (len(trajectories),):
+        raise SampleError(f"need one rater score per rater trajectory ({len(trajectories)}), got shape {scores.shape}")
+    if not np.isfinite(scores).all() or np.any((scores < 0) | (scores > RATER_MAX_SCORE)):
+        raise SampleError(f"rater scores must lie in [0, {RATER_MAX_SCORE:g}], got {scores.tolist()}")
 
 
 def check_command(command: str) -> None:
@@ -148,8 +174,12 @@ _SCHEMA = pa.schema(
         ("ego_size", pa.list_(pa.float32())),
         ("agents", pa.list_(pa.float32())),
         ("agent_size", pa.list_(pa.float32())),
+        ("rater_trajectories", pa.list_(pa.float32())),
+        ("rater_scores", pa.list_(pa.float32())),
     ]
 )
+# Columns added after datasets were first written: older shards lack them and read back as empty lists.
+_LATER_COLUMNS = ("rater_trajectories", "rater_scores")
 
 
 def to_row(sample: DrivingSample) -> dict[str, Any]:
@@ -169,12 +199,17 @@ def to_row(sample: DrivingSample) -> dict[str, Any]:
         "ego_size": list(sample.ego_size),
         "agents": sample.agents.astype(np.float32).ravel().tolist(),
         "agent_size": sample.agent_size.astype(np.float32).ravel().tolist(),
+        "rater_trajectories": sample.rater_trajectories.astype(np.float32).ravel().tolist(),
+        "rater_scores": sample.rater_scores.astype(np.float32).tolist(),
     }
 
 
 def from_row(row: dict[str, Any]) -> DrivingSample:
     ppm, u, v, heading = row["view"]
     n_agents = len(row["agent_size"]) // 2
+    # A row from a shard written before raters existed has no rater columns: no raters.
+    rater_scores = np.asarray(row.get("rater_scores") or [], dtype=np.float64)
+    rater_trajectories = np.asarray(row.get("rater_trajectories") or [], dtype=np.float64)
     return DrivingSample(
         sample_id=row["sample_id"],
         scenario=row["scenario"],
@@ -190,7 +225,15 @@ def from_row(row: dict[str, Any]) -> DrivingSample:
         ego_size=tuple(row["ego_size"]),
         agents=np.asarray(row["agents"], dtype=np.float64).reshape(n_agents, FUTURE_STEPS + 1, 3),
         agent_size=np.asarray(row["agent_size"], dtype=np.float64).reshape(n_agents, 2),
+        rater_trajectories=_reshape_raters(rater_trajectories),
+        rater_scores=rater_scores,
     )
+
+
+def _reshape_raters(flat: np.ndarray) -> np.ndarray:
+    if flat.size % (FUTURE_STEPS * 2):
+        raise SampleError(f"rater_trajectories hold {flat.size} numbers, not a whole number of {FUTURE_STEPS} points")
+    return flat.reshape(-1, FUTURE_STEPS, 2)
 
 
 def write_shard(path: Path, samples: list[DrivingSample]) -> None:
@@ -200,6 +243,18 @@ def write_shard(path: Path, samples: list[DrivingSample]) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     pq.write_table(table, tmp)
     os.replace(tmp, path)
+
+
+def read_shard(path: Path, columns: list[str] | None = None) -> pa.Table:
+    """One shard as an Arrow table in the current schema; columns an older shard lacks come back as empty lists."""
+    wanted = list(columns) if columns else _SCHEMA.names
+    present = set(pq.read_schema(path).names)
+    table = pq.read_table(path, columns=[c for c in wanted if c in present])
+    for name in wanted:
+        if name not in present and name in _LATER_COLUMNS:
+            empty = pa.array([[]] * table.num_rows, type=_SCHEMA.field(name).type)
+            table = table.append_column(_SCHEMA.field(name), empty)
+    return table.select(wanted)
 
 
 class DatasetError(ValueError):
@@ -239,14 +294,14 @@ class DrivingDataset:
         shards = self.shards(split)
         if not shards:
             return _SCHEMA.empty_table().select(columns) if columns else _SCHEMA.empty_table()
-        return pa.concat_tables(pq.read_table(p, columns=columns) for p in shards)
+        return pa.concat_tables(read_shard(p, columns) for p in shards)
 
     def __len__(self) -> int:
         return sum(pq.ParquetFile(p).metadata.num_rows for split in SPLITS for p in self.shards(split))
 
     def samples(self, split: str) -> Iterator[DrivingSample]:
         for shard in self.shards(split):
-            for row in pq.read_table(shard).to_pylist():
+            for row in read_shard(shard).to_pylist():
                 yield from_row(row)
 
     def sample(self, split: str, index: int) -> DrivingSample:

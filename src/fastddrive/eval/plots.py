@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -45,6 +45,29 @@ def draw_scene(
     ax.legend(loc="lower left", fontsize=6, framealpha=0.7)
     meta = sample.response.future_meta_behavior
     ax.set_title(title or f"{sample.sample_id}  {sample.command}  {meta.longitudinal}/{meta.lateral}", fontsize=7)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def draw_frontier(rows: Sequence[Mapping[str, object]], path: str | Path, title: str = "") -> Path:
+    """Write the speed-accuracy frontier: median latency (ms, log scale) against ADE@5s (m), one point per
+    decoder; `rows` are benchmark rows with `label`, `latency_ms` and `ade5`."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    for row in rows:
+        if row.get("ade5") is None:
+            continue
+        ax.scatter(row["latency_ms"], row["ade5"], s=30)
+        ax.annotate(
+            str(row["label"]), (row["latency_ms"], row["ade5"]), fontsize=7, xytext=(4, 3), textcoords="offset points"
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel("median latency per answer (ms, log scale)")
+    ax.set_ylabel("ADE@5s (m)")
+    ax.set_title(title or "speed-accuracy frontier (lower left is better)", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, bbox_inches="tight")

@@ -1,0 +1,42 @@
+"""How the MDM head's predictions become tokens: kept inside each slot's vocabulary, and unmasked by
+confidence threshold, the parallel step of every MDM decoder (paper 002 section 3.4)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fastddrive.scaffold import Scaffold
+
+
+def within_slots(logits: torch.Tensor, positions: Sequence[int], scaffold: Scaffold) -> torch.Tensor:
+    """Logits (m, V) of response `positions` with every token their slot cannot hold there at -inf.
+
+    Only MDM predictions are restricted: the AR head's (and so greedy `ar`, which the lossless decoders
+    reproduce) stay as the model gives them.
+    """
+    out = torch.full_like(logits, float("-inf"), dtype=torch.float32)
+    for row, position in enumerate(positions):
+        allowed = scaffold.allowed_ids[position]
+        if allowed is None:
+            out[row] = logits[row].float()
+        else:
+            index = torch.as_tensor(allowed, device=logits.device)
+            out[row, index] = logits[row, index].float()
+    return out
+
+
+def confident_positions(logits: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """For masked rows (m, V): the rows to unmask and their argmax tokens.
+
+    A row is unmasked when its top probability exceeds `tau`; if none does, the single most confident
+    one is (so tau = 1 unmasks one token per step and tau = 0 all of them at once).
+    """
+    if not 0.0 <= tau <= 1.0:
+        raise ValueError(f"tau must be in [0, 1], got {tau}")
+    confidence, tokens = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+    chosen = confidence > tau
+    if not chosen.any():
+        chosen[confidence.argmax()] = True
+    return chosen.nonzero().flatten(), tokens

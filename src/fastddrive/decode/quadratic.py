@@ -1,0 +1,70 @@
+"""Quadratic self-speculative decoding (paper 002 Algorithm 2): one forward both verifies the current
+draft and proposes the next one, for every possible acceptance length at once.
+
+The draft d_0..d_{B-1} (d_0 committed) becomes B groups [d_i, |<MASK>| x (B - 1)], group i at positions
+i..i+B-1 after d_0. The first tokens see the cache and the first tokens before them (causal: the AR
+verification of d_1..); a group's masks see its own group and the first tokens up to d_i (a block
+seeded at d_i, as in training). If d_0..d_{k-1} are accepted, group k-1 holds the next draft: the AR
+token after d_{k-1} (the bonus) and its masks' proposals. Only the first tokens of accepted groups stay
+in the cache. The ids equal greedy `ar`'s; the scaffold is forced by the verifier as in `ar`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastddrive.decode.confidence import within_slots
+from fastddrive.decode.result import Decoded
+from fastddrive.decode.state import Canvas, greedy
+from fastddrive.model import BlockDiffusionModel, PromptInputs
+from fastddrive.scaffold import Scaffold
+
+DEFAULT_QUAD_BLOCK_SIZE = 8
+
+
+def quadratic_layout(block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position offsets (B*B,) and allowed attention (B*B, B*B) of the B groups of B tokens."""
+    b = block_size
+    group = torch.arange(b).repeat_interleave(b)
+    within = torch.arange(b).repeat(b)
+    offsets = group + within
+    first = within == 0
+    same_group = group[:, None] == group[None, :]
+    earlier_first = first[None, :] & (group[None, :] <= group[:, None])
+    allowed = earlier_first | (same_group & ~first[:, None])
+    return offsets, allowed
+
+
+@torch.no_grad()
+def quadratic_speculative_decode(
+    model: BlockDiffusionModel, prompt: PromptInputs, scaffold: Scaffold, *, block_size: int = DEFAULT_QUAD_BLOCK_SIZE
+) -> Decoded:
+    """`selfspec-quad`: one forward per step at the cost of block_size^2 input tokens."""
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2, got {block_size}")
+    b, length, mask_id = block_size, len(scaffold), scaffold.mask_id
+    canvas = Canvas.prefill(model, prompt, scaffold)
+    canvas.commit_seed(greedy)
+    ids = canvas.ids
+    offsets, allowed = quadratic_layout(b)
+    draft = [ids[0]] + [mask_id] * (b - 1)  # the first forward verifies nothing and proposes
+    while canvas.committed < length:
+        base = canvas.committed - 1  # position of d_0: committed, not yet cached
+        groups = torch.tensor([[d] + [mask_id] * (b - 1) for d in draft]).reshape(-1)
+        logits = model.tree(canvas.cache, groups, offsets, allowed).reshape(b, b, -1)
+        k = 1  # d_0 .. d_{k-1} accepted
+        while base + k < length:
+            ids[base + k] = canvas.target(base + k, logits[k - 1, 0], greedy)
+            if k == b or draft[k] != ids[base + k]:
+                break  # the AR token at base + k is the bonus
+            k += 1
+        canvas.cache.keep(canvas.cache.length - b * b, [i * b for i in range(k)])
+        canvas.cached = base + k
+        canvas.committed = min(base + k + 1, length)
+        canvas.accepted_per_step.append(canvas.committed - 1 - base)
+        start = base + k + 1  # the masks of group k - 1 propose positions start .. start + b - 2
+        inside = max(0, min(b - 1, length - start))
+        proposal = within_slots(logits[k - 1, 1 : 1 + inside], range(start, start + inside), scaffold)
+        draft = [ids[base + k] if base + k < length else mask_id] + proposal.argmax(-1).tolist()
+        draft += [mask_id] * (b - len(draft))
+    return Decoded(ids, canvas.accepted_per_step)

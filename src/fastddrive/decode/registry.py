@@ -1,0 +1,149 @@
+"""The decoder registry: names to functions, option checking, and the measured run of one decoder.
+
+A decoder is `fn(model, prompt, scaffold, **options) -> Decoded`; `decode` wraps it with the
+measurements every decoder reports (forward calls, prefill and decode wall time) and rebuilds the answer.
+The CLI, the planner and the benchmark only go through `decode`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from fastddrive.decode.ar import ar_decode
+from fastddrive.decode.fullseq import full_sequence_decode
+from fastddrive.decode.mdm import mdm_decode, section_diffusion_decode
+from fastddrive.decode.quadratic import quadratic_speculative_decode
+from fastddrive.decode.result import Decoded, DecodeResult
+from fastddrive.decode.speculative import scaffold_speculative_decode, self_speculative_decode
+from fastddrive.decode.tts import trajectory_rollouts_decode
+from fastddrive.model import BlockDiffusionModel, PromptInputs
+from fastddrive.scaffold import Scaffold
+from fastddrive.schema import DrivingResponse, ResponseError, parse
+
+DecoderFn = Callable[..., Decoded]
+
+DECODERS: dict[str, DecoderFn] = {
+    "ar": ar_decode,
+    "fullseq": full_sequence_decode,
+    "mdm": mdm_decode,
+    "sd": section_diffusion_decode,
+    "selfspec": self_speculative_decode,
+    "selfspec-quad": quadratic_speculative_decode,
+    "ss": scaffold_speculative_decode,
+    "tts": trajectory_rollouts_decode,
+}
+LOSSLESS = ("ss", "selfspec", "selfspec-quad")  # token-for-token equal to greedy `ar`
+
+
+class DecoderError(ValueError):
+    """An unknown decoder, an option it does not take, or a model it cannot run on."""
+
+
+def decoder_options(name: str) -> dict[str, object]:
+    """The options a decoder takes, with their defaults."""
+    fn = get_decoder(name)
+    return {
+        p.name: p.default for p in inspect.signature(fn).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+
+
+def get_decoder(name: str) -> DecoderFn:
+    if name not in DECODERS:
+        raise DecoderError(f"unknown decoder {name!r}; decoders: {', '.join(DECODERS)}")
+    return DECODERS[name]
+
+
+def check_options(name: str, options: dict[str, object]) -> None:
+    """Raise DecoderError naming any option `name` does not take."""
+    known = decoder_options(name)
+    for key in options:
+        if key not in known:
+            takes = ", ".join(known) or "no options"
+            raise DecoderError(f"decoder {name!r} takes no option {key!r} (it takes: {takes})")
+
+
+@dataclass
+class ForwardMeter:
+    """Counts forward calls of a module and times the first one (the prefill)."""
+
+    calls: int = 0
+    first_end: float | None = None
+
+    @contextmanager
+    def watch(self, module: torch.nn.Module) -> Iterator[None]:
+        def after(*_: object) -> None:
+            self.calls += 1
+            if self.first_end is None:
+                _synchronize(module)
+                self.first_end = time.perf_counter()
+
+        handle = module.register_forward_hook(after)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+
+def _synchronize(module: torch.nn.Module) -> None:
+    device = next(module.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decode(
+    name: str, model: BlockDiffusionModel, prompt: PromptInputs, scaffold: Scaffold, **options: object
+) -> DecodeResult:
+    """Run decoder `name` on one prompt and measure it."""
+    fn = get_decoder(name)
+    check_options(name, options)
+    if model.info.kind == "autoregressive" and name != "ar":
+        raise DecoderError(
+            f"decoder {name!r} needs a block-diffusion checkpoint; this one is an AR model (only 'ar' runs on it)"
+        )
+    meter = ForwardMeter()
+    began = time.perf_counter()
+    with meter.watch(model.model):
+        decoded = fn(model, prompt, scaffold, **options)
+    _synchronize(model.model)
+    ended = time.perf_counter()
+    first_end = meter.first_end or ended
+    text, response, error, tokens = _answer(model, scaffold, decoded)
+    return DecodeResult(
+        decoder=name,
+        token_ids=decoded.token_ids,
+        text=text,
+        response=response,
+        nfe=meter.calls,
+        tokens=tokens,
+        accepted_per_step=decoded.accepted_per_step,
+        prefill_ms=1000 * (first_end - began),
+        decode_ms=1000 * (ended - first_end),
+        error=error,
+        extra=decoded.extra,
+    )
+
+
+def _answer(
+    model: BlockDiffusionModel, scaffold: Scaffold, decoded: Decoded
+) -> tuple[str, DrivingResponse | None, str | None, int]:
+    """(text, response or None, why it does not parse or None, real tokens) of a decoder's ids."""
+    ids = decoded.token_ids
+    free = model.info.kind == "autoregressive"
+    if free:
+        text = model.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    else:
+        text = scaffold.text(ids)
+    tokens = len(ids) if free else sum(t != scaffold.null_id for t in ids)
+    try:
+        response = parse(text) if free else scaffold.decode(ids)
+        if decoded.waypoints_m is not None:
+            response = DrivingResponse.model_validate(response.model_dump() | {"trajectory": decoded.waypoints_m})
+    except (ResponseError, ValueError) as err:
+        return text, None, str(err), tokens
+    return text, response, None, tokens

@@ -1,0 +1,68 @@
+"""What a decoder returns, and the report every decoder run produces (DESIGN section 6)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastddrive.schema import DrivingResponse
+
+
+@dataclass
+class Decoded:
+    """A decoder's own output: the response ids and how many tokens each step committed."""
+
+    token_ids: list[int]
+    accepted_per_step: list[int] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+    waypoints_m: list[list[float]] | None = None  # the answer's trajectory when not the ids' own (tts)
+
+
+@dataclass
+class DecodeResult:
+    """One decoded answer and its cost.
+
+    `nfe` counts model forward calls, prefill included. `tokens` counts the answer's real tokens: scaffold
+    and value tokens, <|NULL|> padding not counted (the length of the JSON text in tokens, which is also
+    what an AR model writing the JSON freely emits). `prefill_ms` is the first forward (image and prompt),
+    `decode_ms` everything after it. `response` is None when the text does not parse (`error` says why).
+    """
+
+    decoder: str
+    token_ids: list[int]
+    text: str
+    response: DrivingResponse | None
+    nfe: int
+    tokens: int
+    accepted_per_step: list[int]
+    prefill_ms: float
+    decode_ms: float
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def latency_ms(self) -> float:
+        return self.prefill_ms + self.decode_ms
+
+    @property
+    def tokens_per_nfe(self) -> float:
+        return self.tokens / self.nfe if self.nfe else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1000.0 * self.tokens / self.latency_ms if self.latency_ms else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """The `fastddrive plan --json` object."""
+        return {
+            "decoder": self.decoder,
+            "response": self.response.model_dump(mode="json") if self.response else None,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "nfe": self.nfe,
+            "tokens": self.tokens,
+            "prefill_ms": round(self.prefill_ms, 3),
+            "decode_ms": round(self.decode_ms, 3),
+            "accepted_per_step": self.accepted_per_step,
+            "error": self.error,
+        }

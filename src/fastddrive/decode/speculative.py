@@ -1,0 +1,113 @@
+"""Linear self-speculative decoding: one MDM draft and one causal verify per block (paper 002 Algorithm 1),
+and Scaffold Speculative Decoding, the same loop over the frozen scaffold (paper 000 section 3.3).
+
+Both return exactly the ids of greedy `ar`: a value is committed only where it equals the AR head's
+argmax given the committed prefix, the first mismatch is replaced by that argmax (the bonus token), and
+the cache is cropped to what was accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from fastddrive.decode.confidence import within_slots
+from fastddrive.decode.result import Decoded
+from fastddrive.decode.state import Canvas, TokenPicker, greedy
+from fastddrive.model import BlockDiffusionModel, PromptInputs
+from fastddrive.scaffold import DEFAULT_BLOCK_SIZE, Scaffold
+
+BlockOf = Callable[[int], tuple[int, int]]  # first uncommitted position -> [start, end) of its block
+
+
+def section_blocks(scaffold: Scaffold, block_size: int) -> BlockOf:
+    """The section-aligned block holding a position (paper 000 section 3.2)."""
+    span = {}
+    for block in scaffold.blocks(block_size):
+        span |= dict.fromkeys(range(block.start, block.end), (block.start, block.end))
+    return span.__getitem__
+
+
+def sliding_window(length: int, block_size: int) -> BlockOf:
+    """Algorithm 1's block: the last committed token and the next block_size - 1 positions."""
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2, got {block_size}")
+    return lambda n: (n - 1, min(n - 1 + block_size, length))
+
+
+@torch.no_grad()
+def speculative_steps(
+    model: BlockDiffusionModel,
+    canvas: Canvas,
+    block_of: BlockOf,
+    scaffold_aware: bool,
+    pick: TokenPicker = greedy,
+    until: int | None = None,
+) -> None:
+    """Draft-verify-accept on `canvas` until `until` positions are committed (all by default).
+
+    The draft is greedy; `pick` chooses the verifier's token (greedy, or sampled for test-time
+    scaling: accepting a draft only where it equals the sample keeps every token an exact AR sample).
+    """
+    until = len(canvas) if until is None else until
+    mask_id, ids = canvas.scaffold.mask_id, canvas.ids
+    while canvas.committed < until:
+        if canvas.cached == canvas.committed:
+            canvas.commit_seed(pick)
+            continue
+        n, c = canvas.committed, canvas.cached
+        start, end = block_of(n)
+        end = min(end, until)
+        proposal = [ids[p] if scaffold_aware and canvas.is_scaffold(p) else mask_id for p in range(n, end)]
+        if mask_id not in proposal:  # scaffold only: accepted with no forward
+            canvas.committed = end
+            continue
+        head = ids[c:n]
+        logits = model.draft(canvas.cache, head + proposal, causal_head=min(max(0, start - c), len(head)))
+        masked = [i for i, token in enumerate(proposal) if token == mask_id]
+        rows = within_slots(logits[[len(head) + i - 1 for i in masked]], [n + i for i in masked], canvas.scaffold)
+        for i, token in zip(masked, rows.argmax(-1).tolist(), strict=True):
+            proposal[i] = token
+        checked = model.verify(canvas.cache, head + proposal)
+        accepted = 0
+        for i, drafted in enumerate(proposal):
+            p = n + i
+            ids[p] = canvas.target(p, checked[len(head) + i - 1], pick)
+            accepted += 1
+            if ids[p] != drafted:
+                canvas.committed = p + 1
+                canvas.crop_to(p)
+                break
+        else:
+            canvas.committed = canvas.cached = end
+            canvas.next_logits = checked[-1]
+            if end < until:
+                canvas.commit_seed(pick)
+                accepted += 1
+        canvas.accepted_per_step.append(accepted)
+
+
+def scaffold_speculative_decode(
+    model: BlockDiffusionModel, prompt: PromptInputs, scaffold: Scaffold, *, block_size: int = DEFAULT_BLOCK_SIZE
+) -> Decoded:
+    """`ss` (paper 000 section 3.3): per section-aligned block, scaffold auto-accepted with no forward, one
+    MDM draft of the value positions, one causal verify, accept to the first mismatch plus the AR token."""
+    canvas = Canvas.prefill(model, prompt, scaffold)
+    speculative_steps(model, canvas, section_blocks(scaffold, block_size), scaffold_aware=True)
+    return Decoded(canvas.ids, canvas.accepted_per_step)
+
+
+def self_speculative_decode(
+    model: BlockDiffusionModel, prompt: PromptInputs, scaffold: Scaffold, *, block_size: int = DEFAULT_BLOCK_SIZE
+) -> Decoded:
+    """`selfspec` (paper 002 Algorithm 1): fixed-size blocks [last token, B - 1 masks], no scaffold
+    knowledge in the draft; the verifier forces the scaffold as `ar` does, so the ids equal `ar`'s."""
+    canvas = Canvas.prefill(model, prompt, scaffold)
+    speculative_steps(model, canvas, sliding_window(len(scaffold), block_size), scaffold_aware=False)
+    return Decoded(canvas.ids, canvas.accepted_per_step)
+
+
+def ss_nfe_floor(scaffold: Scaffold, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """The fewest forwards `ss` can take: the prefill and one draft + one verify per block with values."""
+    return 1 + 2 * sum(bool(scaffold.is_value[b.start : b.end].any()) for b in scaffold.blocks(block_size))

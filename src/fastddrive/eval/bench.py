@@ -1,0 +1,132 @@
+"""Every decoder on the same scenes, in one process, after a warm-up: speed and accuracy side by side.
+
+DESIGN section 7 (throughput): medians over samples, speed-up against `ar` measured in the same run.
+Decoders run interleaved scene by scene, so that drifts of a noisy machine hit all of them alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from fastddrive.data.sample import DrivingSample
+from fastddrive.decode.registry import check_options, get_decoder
+from fastddrive.decode.result import DecodeResult
+from fastddrive.eval.metrics import waypoint_ade_m
+from fastddrive.planner import Planner
+
+
+@dataclass(frozen=True)
+class DecoderRun:
+    """One row of the benchmark: a decoder with its options, on a planner (label names it)."""
+
+    label: str
+    decoder: str
+    options: dict[str, object]
+    planner: Planner
+
+
+def parse_decoder_spec(spec: str) -> tuple[str, dict[str, object]]:
+    """'sd' or 'sd:tau=0.0:block_size=16' -> ('sd', {'tau': 0.0, 'block_size': 16}); checked."""
+    import json
+
+    name, *pairs = spec.split(":")
+    get_decoder(name)
+    options: dict[str, object] = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    check_options(name, options)
+    return name, options
+
+
+@dataclass
+class BenchRow:
+    """Medians over the samples (latency p90 too); ADE is the mean over answers that parse (metres)."""
+
+    label: str
+    decoder: str
+    samples: int
+    nfe: float
+    tokens_per_nfe: float
+    tokens_per_s: float
+    latency_ms: float
+    p90_latency_ms: float
+    prefill_ms: float
+    decode_ms: float
+    speedup_vs_ar: float | None
+    ade3: float | None
+    ade5: float | None
+    invalid: int
+    identical_to_ar: float | None  # share of samples whose ids equal `ar`'s on the same planner
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _median(results: Sequence[DecodeResult], value: Callable[[DecodeResult], float]) -> float:
+    return float(np.median([value(r) for r in results]))
+
+
+def run_decoders(
+    runs: Sequence[DecoderRun],
+    scenes: Sequence[DrivingSample],
+    warmup: int = 1,
+    on_result: Callable[[], None] | None = None,
+) -> dict[str, list[DecodeResult]]:
+    """Every decoder on every scene after `warmup` untimed scenes (which are not in the results)."""
+    if len(scenes) <= warmup:
+        raise ValueError(f"the benchmark needs more than {warmup} scene(s): the first {warmup} only warm up")
+    for scene in scenes[:warmup]:
+        for run in runs:
+            run.planner.plan(scene, run.decoder, **run.options)
+    results: dict[str, list[DecodeResult]] = {run.label: [] for run in runs}
+    for scene in scenes[warmup:]:
+        for run in runs:
+            results[run.label].append(run.planner.plan(scene, run.decoder, **run.options))
+            if on_result:
+                on_result()
+    return results
+
+
+def summarise(
+    runs: Sequence[DecoderRun], scenes: Sequence[DrivingSample], results: dict[str, list[DecodeResult]]
+) -> list[BenchRow]:
+    """One row per decoder; `scenes` are the timed ones, in the order of the results."""
+    reference = next((run for run in runs if run.decoder == "ar" and not run.options), None)
+    ar_latency = _median(results[reference.label], lambda r: r.latency_ms) if reference else None
+    rows = []
+    for run in runs:
+        done = results[run.label]
+        pairs = zip(done, scenes, strict=True)
+        ades = [waypoint_ade_m(np.asarray(r.response.trajectory), s.future) for r, s in pairs if r.response]
+        identical = None
+        if reference is not None and reference.planner is run.planner:
+            same = zip(done, results[reference.label], strict=True)
+            identical = float(np.mean([a.token_ids == b.token_ids for a, b in same]))
+        latency = _median(done, lambda r: r.latency_ms)
+        rows.append(
+            BenchRow(
+                label=run.label,
+                decoder=run.decoder,
+                samples=len(done),
+                nfe=_median(done, lambda r: r.nfe),
+                tokens_per_nfe=_median(done, lambda r: r.tokens_per_nfe),
+                tokens_per_s=_median(done, lambda r: r.tokens_per_s),
+                latency_ms=latency,
+                p90_latency_ms=float(np.percentile([r.latency_ms for r in done], 90)),
+                prefill_ms=_median(done, lambda r: r.prefill_ms),
+                decode_ms=_median(done, lambda r: r.decode_ms),
+                speedup_vs_ar=ar_latency / latency if ar_latency else None,
+                ade3=float(np.mean([a[0] for a in ades])) if ades else None,
+                ade5=float(np.mean([a[1] for a in ades])) if ades else None,
+                invalid=len(done) - len(ades),
+                identical_to_ar=identical,
+            )
+        )
+    return rows

@@ -1,0 +1,112 @@
+"""The Python entry point: `fastddrive.load(...)` gives a Planner; `planner.plan(...)` answers one scene.
+
+planner = fastddrive.load("default")              # or a local Qwen2.5-VL folder
+result = planner.plan(sample, decoder="ss")        # or images=[...], history=..., command=...
+result.response.trajectory, result.nfe, result.decode_ms
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from fastddrive.data.sample import NAV_COMMANDS, DrivingSample, SampleError, check_command, check_history, check_image
+from fastddrive.decode.registry import decode
+from fastddrive.decode.result import DecodeResult
+from fastddrive.model import BlockDiffusionModel, PromptInputs, model_path
+from fastddrive.prompt import chat_text
+from fastddrive.scaffold import DEFAULT_EXPLANATION_BUDGET, Scaffold
+
+
+class PlanInputs(BaseModel):
+    """What the planner reads: camera image(s), the ego history and the navigation command.
+
+    images: (H, W, 3) uint8 RGB arrays, sides multiples of 28 px; history: 7 rows (t = -3.0..0.0 s every
+    0.5 s) of x, y [m], vx, vy [m/s], ax, ay [m/s^2] in the ego frame at t = 0 (+x forward, +y left);
+    command: one of NAV_COMMANDS.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+
+    images: tuple[np.ndarray, ...]
+    history: np.ndarray
+    command: str
+
+    @field_validator("images", mode="before")
+    @classmethod
+    def _images(cls, value: Any) -> tuple[np.ndarray, ...]:
+        images = (value,) if isinstance(value, np.ndarray) else tuple(value)
+        for image in images:
+            check_image(image)
+        return images
+
+    @field_validator("history", mode="before")
+    @classmethod
+    def _history(cls, value: Any) -> np.ndarray:
+        try:
+            array = np.asarray(value, dtype=float)
+        except (TypeError, ValueError):
+            raise SampleError("history must be 7 rows of 6 numbers (x, y, vx, vy, ax, ay)") from None
+        check_history(array)
+        return array
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, value: str) -> str:
+        check_command(value)
+        return value
+
+    @classmethod
+    def checked(cls, **fields: Any) -> PlanInputs:
+        """Validate, raising SampleError (one clear line) instead of pydantic's report."""
+        try:
+            return cls(**fields)
+        except ValidationError as err:
+            raise SampleError(str(err.errors()[0]["msg"]).removeprefix("Value error, ")) from None
+
+
+def prompt_inputs(model: BlockDiffusionModel, command: str, history: np.ndarray, images: Sequence[np.ndarray]):
+    """The tokenized chat prompt; a text-only model plans from the text alone."""
+    images = list(images) if model.is_vision else []
+    return model.encode_prompt(chat_text(command, history, images=len(images)), images)
+
+
+class Planner:
+    """A loaded model with its scaffold, answering scenes through any registered decoder."""
+
+    def __init__(self, model: BlockDiffusionModel) -> None:
+        self.model = model
+        budget = model.info.explanation_budget or DEFAULT_EXPLANATION_BUDGET
+        self.scaffold = Scaffold(model.tokenizer, explanation_budget=budget)
+
+    def prompt(self, scene: DrivingSample | PlanInputs) -> PromptInputs:
+        images = [scene.image] if isinstance(scene, DrivingSample) else scene.images
+        return prompt_inputs(self.model, scene.command, scene.history, images)
+
+    def plan(
+        self,
+        scene: DrivingSample | PlanInputs | None = None,
+        decoder: str = "ss",
+        *,
+        images: Sequence[np.ndarray] | np.ndarray | None = None,
+        history: Any = None,
+        command: str | None = None,
+        **options: Any,
+    ) -> DecodeResult:
+        """Answer one scene (a DrivingSample, PlanInputs, or images/history/command) with `decoder`."""
+        if scene is None:
+            scene = PlanInputs.checked(images=() if images is None else images, history=history, command=command)
+        return decode(decoder, self.model, self.prompt(scene), self.scaffold, **options)
+
+
+def load(name: str | Path = "default", device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Planner:
+    """'default' (the embedded block-diffusion model), 'default-ar' (its AR baseline) or a local folder."""
+    return Planner(BlockDiffusionModel.from_pretrained(model_path(str(name)), device=device, dtype=dtype))
+
+
+__all__ = ["NAV_COMMANDS", "PlanInputs", "Planner", "load", "prompt_inputs"]
