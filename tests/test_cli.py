@@ -190,3 +190,21 @@ def test_plan_rejects_bad_input_with_a_clear_message(small_dataset, args, messag
     result = _run("plan", *args)
     assert result.exit_code == 2
     assert message in result.output
+
+
+def test_bench_times_decoders_on_the_same_scenes_and_writes_json_and_png(small_dataset, tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "frontier.png"
+    args = ["bench", "--data", small_dataset, "--samples", 2, "--decoders", "ar,ss,sd:tau=0.0", "--json", out]
+    result = _run(*args, "--png", png)
+    assert result.exit_code == 0, result.output
+    rows = {row["label"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"ar", "ss", "sd:tau=0.0"}
+    keys = {"decoder", "nfe", "tokens_per_nfe", "tokens_per_s", "latency_ms", "speedup_vs_ar", "ade3", "ade5"}
+    for row in rows.values():
+        assert keys <= set(row)
+        assert row["samples"] == 2
+    assert rows["ss"]["identical_to_ar"] == 1.0 and rows["ss"]["nfe"] < rows["ar"]["nfe"]
+    assert rows["ar"]["speedup_vs_ar"] == 1.0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = _run("bench", "--data", small_dataset, "--decoders", "ss:tau=0.5")
+    assert bad.exit_code == 2 and "takes no option 'tau'" in bad.output

@@ -30,12 +30,22 @@ def random_case(request):
 
 
 @pytest.mark.parametrize(
-    ("decoder", "block_size"),
-    [("ss", 4), ("ss", 8), ("ss", 32), ("selfspec", 4), ("selfspec", 32), ("selfspec-quad", 4), ("selfspec-quad", 8)],
+    ("decoder", "options"),
+    [
+        ("ss", {"block_size": 4}),
+        ("ss", {"block_size": 8, "fuse_draft": False}),
+        ("ss", {"block_size": 8}),
+        ("ss", {"block_size": 32, "fuse_draft": False}),
+        ("ss", {"block_size": 32}),
+        ("selfspec", {"block_size": 4}),
+        ("selfspec", {"block_size": 32}),
+        ("selfspec-quad", {"block_size": 4}),
+        ("selfspec-quad", {"block_size": 8}),
+    ],
 )
-def test_speculative_decoders_equal_greedy_ar_on_random_models(random_case, decoder, block_size):
+def test_speculative_decoders_equal_greedy_ar_on_random_models(random_case, decoder, options):
     model, prompt, scaffold, reference = random_case
-    result = decode(decoder, model, prompt, scaffold, block_size=block_size)
+    result = decode(decoder, model, prompt, scaffold, **options)
     assert result.token_ids == reference
     assert sum(result.accepted_per_step) <= len(reference)
 
@@ -73,8 +83,11 @@ def test_lossless_decoders_equal_greedy_ar_on_the_embedded_model(embedded, scene
         for name in LOSSLESS:
             result = embedded.plan(scene, name)
             assert result.token_ids == reference.token_ids, (name, scene.scenario)
-        ss = embedded.plan(scene, "ss")
-        assert ss.nfe >= ss_nfe_floor(embedded.scaffold) and ss.nfe < reference.nfe / 2
+        plain = embedded.plan(scene, "ss", fuse_draft=False)
+        assert plain.token_ids == reference.token_ids
+        assert ss_nfe_floor(embedded.scaffold) <= plain.nfe < reference.nfe / 2
+        fused = embedded.plan(scene, "ss")
+        assert ss_nfe_floor(embedded.scaffold, fuse_draft=True) <= fused.nfe <= plain.nfe
 
 
 def test_every_decoder_answers_validly_on_the_embedded_model(embedded, scenes):
@@ -108,10 +121,14 @@ def test_sd_drafts_only_value_positions_and_mdm_also_the_scaffold(embedded, scen
 
 
 def test_tts_with_one_greedy_rollout_equals_ss(embedded, scenes):
-    ss = embedded.plan(scenes[3], "ss")
-    tts = embedded.plan(scenes[3], "tts", rollouts=1, temperature=0.0)
+    ss = embedded.plan(scenes[3], "ss", fuse_draft=False)
+    tts = embedded.plan(scenes[3], "tts", rollouts=1, temperature=0.0, fuse_draft=False)
     assert tts.token_ids == ss.token_ids and tts.nfe == ss.nfe
     assert tts.response.trajectory == ss.response.trajectory
+    # Fused, the rollouts start with a draft of their own: the verify before the fork cannot draft for a
+    # sampled continuation. The ids are the same.
+    fused = embedded.plan(scenes[3], "tts", rollouts=1, temperature=0.0)
+    assert fused.token_ids == ss.token_ids and fused.nfe <= embedded.plan(scenes[3], "ss").nfe + 1
 
 
 def test_tts_decodes_the_shared_prefix_once(embedded, scenes):
@@ -134,6 +151,7 @@ def test_unknown_decoder_and_unknown_option_are_named(embedded, scenes):
     with pytest.raises(DecoderError, match="'ss' takes no option 'tau'"):
         embedded.plan(scenes[0], "ss", tau=0.5)
     assert decoder_options("sd") == {"tau": 0.9, "block_size": 32}
+    assert decoder_options("ss") == {"block_size": 32, "fuse_draft": True}
 
 
 def test_only_ar_runs_on_an_autoregressive_checkpoint(scenes):
@@ -168,3 +186,31 @@ def test_forward_counting_matches_the_model_calls(embedded, scenes):
         handle.remove()
     assert result.nfe == len(calls)
     assert isinstance(embedded, Planner) and torch.is_tensor(embedded.prompt(scenes[0]).input_ids)
+
+
+def test_evaluation_reports_a_failed_sample_and_completes_the_rest(embedded, scenes, monkeypatch):
+    from fastddrive.eval import accuracy
+
+    real, calls = accuracy.decode, []
+
+    def flaky(*args, **options):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return real(*args, **options)
+
+    monkeypatch.setattr(accuracy, "decode", flaky)
+    report = accuracy.evaluate(embedded.model, scenes[:3], "ss")
+    assert report.samples == 3 and len(report.failures) == 1 and "out of memory" in report.failures[0]
+    assert report.invalid == 0 and np.isfinite(report.ade5_m) and report.validity == pytest.approx(2 / 3)
+    assert set(report.l2_m) == {"stp3", "uniad"} and report.rfs is None  # these scenes have no raters
+
+
+def test_evaluation_scores_rfs_against_the_simulated_raters(embedded):
+    from fastddrive.eval.accuracy import evaluate
+
+    scene = episode_samples("highway", 90_010, max_duration_s=9, raters=True)[0]
+    assert len(scene.rater_scores) >= 1
+    report = evaluate(embedded.model, [scene], "ss")
+    assert report.rfs is not None and 0.0 <= report.rfs <= 10.0
+    assert report.per_sample[0]["rfs"] == report.rfs

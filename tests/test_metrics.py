@@ -355,3 +355,24 @@ def test_json_validity_rate():
     assert json_validity_rate([False]) == 0.0
     with pytest.raises(ValueError):
         json_validity_rate([])
+
+
+def test_jmt_of_a_constant_speed_straight_path_is_exactly_linear():
+    from fastddrive.eval.jmt import jmt_upsample
+
+    t_s = np.arange(1, 6, dtype=float)[:, None]
+    velocity_mps = np.array([[12.5, -0.8]])
+    dense = jmt_upsample(t_s * velocity_mps)
+    expected = 0.25 * np.arange(1, 21, dtype=float)[:, None] * velocity_mps
+    assert dense.shape == (20, 2)
+    assert np.allclose(dense, expected, atol=1e-9)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.floats(-50, 50, allow_nan=False), min_size=10, max_size=10))
+def test_jmt_passes_through_its_knots(values):
+    from fastddrive.eval.jmt import jmt_upsample
+
+    waypoints = np.asarray(values).reshape(5, 2)
+    dense = jmt_upsample(waypoints)
+    assert np.allclose(dense[3::4], waypoints, atol=1e-9)  # t = 1, 2, 3, 4, 5 s

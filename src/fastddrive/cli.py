@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,7 +27,8 @@ data_app = typer.Typer(help="Build and inspect driving datasets.", no_args_is_he
 tokenizer_app = typer.Typer(help="Train and inspect tokenizers and their response scaffold.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 app.add_typer(tokenizer_app, name="tokenizer")
-console = Console()
+# Piped or logged output gets room for the wide tables instead of rich's 80-column default.
+console = Console(width=None if sys.stdout.isatty() else 160)
 
 
 @contextmanager

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from fastddrive.schema import SECTIONS, DrivingResponse, ResponseError, from_slot_values, render_pieces, slot_choices
@@ -129,6 +130,7 @@ class Scaffold:
         self.section_index = np.asarray(sections, dtype=np.int64)
         self.slots: tuple[Slot, ...] = tuple(slots)
         self.explanation_budget = explanation_budget
+        self._masks: dict[tuple[int, str], torch.Tensor] = {}
         if (np.diff(self.section_index) < 0).any():
             raise AssertionError("sections are not contiguous in the rendered template")
 
@@ -167,6 +169,18 @@ class Scaffold:
                 ]
             allowed[slot.start : slot.end] = per_choices[choices]
         return allowed
+
+    def allowed_mask(self, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """`allowed_ids` as a boolean (positions, vocab_size) tensor, True where a token may stand; cached."""
+        key = (vocab_size, str(device))
+        if key not in self._masks:
+            mask = torch.ones(len(self), vocab_size, dtype=torch.bool)
+            for position, allowed in enumerate(self.allowed_ids):
+                if allowed is not None:
+                    mask[position] = False
+                    mask[position, torch.as_tensor(allowed)] = True
+            self._masks[key] = mask.to(device)
+        return self._masks[key]
 
     def blocks(self, block_size: int = DEFAULT_BLOCK_SIZE) -> list[Block]:
         """Section-aligned blocks: each section cut into consecutive blocks of at most `block_size`."""

@@ -16,15 +16,8 @@ def within_slots(logits: torch.Tensor, positions: Sequence[int], scaffold: Scaff
     Only MDM predictions are restricted: the AR head's (and so greedy `ar`, which the lossless decoders
     reproduce) stay as the model gives them.
     """
-    out = torch.full_like(logits, float("-inf"), dtype=torch.float32)
-    for row, position in enumerate(positions):
-        allowed = scaffold.allowed_ids[position]
-        if allowed is None:
-            out[row] = logits[row].float()
-        else:
-            index = torch.as_tensor(allowed, device=logits.device)
-            out[row, index] = logits[row, index].float()
-    return out
+    allowed = scaffold.allowed_mask(logits.shape[-1], logits.device)[list(positions)]
+    return logits.float().masked_fill(~allowed, float("-inf"))
 
 
 def confident_positions(logits: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor]:

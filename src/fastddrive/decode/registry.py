@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-
-import torch
+from collections.abc import Callable
 
 from fastddrive.decode.ar import ar_decode
 from fastddrive.decode.fullseq import full_sequence_decode
 from fastddrive.decode.mdm import mdm_decode, section_diffusion_decode
+from fastddrive.decode.meter import ForwardMeter, synchronize
 from fastddrive.decode.quadratic import quadratic_speculative_decode
 from fastddrive.decode.result import Decoded, DecodeResult
 from fastddrive.decode.speculative import scaffold_speculative_decode, self_speculative_decode
@@ -68,34 +65,6 @@ def check_options(name: str, options: dict[str, object]) -> None:
             raise DecoderError(f"decoder {name!r} takes no option {key!r} (it takes: {takes})")
 
 
-@dataclass
-class ForwardMeter:
-    """Counts forward calls of a module and times the first one (the prefill)."""
-
-    calls: int = 0
-    first_end: float | None = None
-
-    @contextmanager
-    def watch(self, module: torch.nn.Module) -> Iterator[None]:
-        def after(*_: object) -> None:
-            self.calls += 1
-            if self.first_end is None:
-                _synchronize(module)
-                self.first_end = time.perf_counter()
-
-        handle = module.register_forward_hook(after)
-        try:
-            yield
-        finally:
-            handle.remove()
-
-
-def _synchronize(module: torch.nn.Module) -> None:
-    device = next(module.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def decode(
     name: str, model: BlockDiffusionModel, prompt: PromptInputs, scaffold: Scaffold, **options: object
 ) -> DecodeResult:
@@ -110,7 +79,7 @@ def decode(
     began = time.perf_counter()
     with meter.watch(model.model):
         decoded = fn(model, prompt, scaffold, **options)
-    _synchronize(model.model)
+    synchronize(model.model)
     ended = time.perf_counter()
     first_end = meter.first_end or ended
     text, response, error, tokens = _answer(model, scaffold, decoded)

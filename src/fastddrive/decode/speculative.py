@@ -15,7 +15,7 @@ import torch
 from fastddrive.decode.confidence import within_slots
 from fastddrive.decode.result import Decoded
 from fastddrive.decode.state import Canvas, TokenPicker, greedy
-from fastddrive.model import BlockDiffusionModel, PromptInputs
+from fastddrive.model import BlockDiffusionModel, PromptInputs, block_mask
 from fastddrive.scaffold import DEFAULT_BLOCK_SIZE, Scaffold
 
 BlockOf = Callable[[int], tuple[int, int]]  # first uncommitted position -> [start, end) of its block
@@ -36,6 +36,15 @@ def sliding_window(length: int, block_size: int) -> BlockOf:
     return lambda n: (n - 1, min(n - 1 + block_size, length))
 
 
+def _fill(proposal: list[int], logits: torch.Tensor, row_of_first: int, first: int, canvas: Canvas) -> None:
+    """Replace the masks of `proposal` (positions first, first + 1, ...) by the MDM head's tokens; the
+    prediction of proposal[i] is logits[row_of_first + i]."""
+    masked = [i for i, token in enumerate(proposal) if token == canvas.scaffold.mask_id]
+    rows = within_slots(logits[[row_of_first + i for i in masked]], [first + i for i in masked], canvas.scaffold)
+    for i, token in zip(masked, rows.argmax(-1).tolist(), strict=True):
+        proposal[i] = token
+
+
 @torch.no_grad()
 def speculative_steps(
     model: BlockDiffusionModel,
@@ -44,14 +53,23 @@ def speculative_steps(
     scaffold_aware: bool,
     pick: TokenPicker = greedy,
     until: int | None = None,
+    fuse: bool = False,
 ) -> None:
     """Draft-verify-accept on `canvas` until `until` positions are committed (all by default).
 
     The draft is greedy; `pick` chooses the verifier's token (greedy, or sampled for test-time
     scaling: accepting a draft only where it equals the sample keeps every token an exact AR sample).
+    With `fuse`, the verify forward also carries the next block, masked and bidirectional after the
+    causal part: when the block is accepted whole, that is the next block's draft and its own draft
+    forward is saved (the accepted tokens, and so the ids, are the same either way).
     """
     until = len(canvas) if until is None else until
     mask_id, ids = canvas.scaffold.mask_id, canvas.ids
+
+    def template(first: int, last: int) -> list[int]:
+        return [ids[p] if scaffold_aware and canvas.is_scaffold(p) else mask_id for p in range(first, last)]
+
+    ready: tuple[int, int, list[int]] | None = None  # a draft [first, last) made by the previous verify
     while canvas.committed < until:
         if canvas.cached == canvas.committed:
             canvas.commit_seed(pick)
@@ -59,17 +77,31 @@ def speculative_steps(
         n, c = canvas.committed, canvas.cached
         start, end = block_of(n)
         end = min(end, until)
-        proposal = [ids[p] if scaffold_aware and canvas.is_scaffold(p) else mask_id for p in range(n, end)]
+        proposal = template(n, end)
         if mask_id not in proposal:  # scaffold only: accepted with no forward
             canvas.committed = end
             continue
         head = ids[c:n]
-        logits = model.draft(canvas.cache, head + proposal, causal_head=min(max(0, start - c), len(head)))
-        masked = [i for i, token in enumerate(proposal) if token == mask_id]
-        rows = within_slots(logits[[len(head) + i - 1 for i in masked]], [n + i for i in masked], canvas.scaffold)
-        for i, token in zip(masked, rows.argmax(-1).tolist(), strict=True):
-            proposal[i] = token
-        checked = model.verify(canvas.cache, head + proposal)
+        if ready is not None and ready[:2] == (n, end):
+            proposal = ready[2]
+        else:
+            logits = model.draft(canvas.cache, head + proposal, causal_head=min(max(0, start - c), len(head)))
+            _fill(proposal, logits, len(head) - 1, n, canvas)
+        ready = None
+        fed = head + proposal
+        following = block_of(end) if fuse and end < until else None
+        tail = template(end, min(following[1], until)) if following else []
+        if mask_id in tail[1:]:
+            logits = model.tree(
+                canvas.cache,
+                fed + tail,
+                torch.arange(len(fed) + len(tail)),
+                block_mask(len(fed) + len(tail), causal_head=len(fed)),
+            )
+            canvas.cache.crop(canvas.cache.length - len(tail))
+            checked, tail_logits = logits[: len(fed)], logits[len(fed) :]
+        else:
+            checked, tail_logits = model.verify(canvas.cache, fed), None
         accepted = 0
         for i, drafted in enumerate(proposal):
             p = n + i
@@ -85,16 +117,29 @@ def speculative_steps(
             if end < until:
                 canvas.commit_seed(pick)
                 accepted += 1
+                if tail_logits is not None:  # tail row j predicts position end + j + 1
+                    following_draft = tail[1:]
+                    _fill(following_draft, tail_logits, 0, end + 1, canvas)
+                    ready = (end + 1, end + len(tail), following_draft)
         canvas.accepted_per_step.append(accepted)
 
 
 def scaffold_speculative_decode(
-    model: BlockDiffusionModel, prompt: PromptInputs, scaffold: Scaffold, *, block_size: int = DEFAULT_BLOCK_SIZE
+    model: BlockDiffusionModel,
+    prompt: PromptInputs,
+    scaffold: Scaffold,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    fuse_draft: bool = True,
 ) -> Decoded:
     """`ss` (paper 000 section 3.3): per section-aligned block, scaffold auto-accepted with no forward, one
-    MDM draft of the value positions, one causal verify, accept to the first mismatch plus the AR token."""
+    MDM draft of the value positions, one causal verify, accept to the first mismatch plus the AR token.
+
+    `fuse_draft` (default) lets each verify also draft the next block (see `speculative_steps`); off, every
+    block takes the paper's two forwards.
+    """
     canvas = Canvas.prefill(model, prompt, scaffold)
-    speculative_steps(model, canvas, section_blocks(scaffold, block_size), scaffold_aware=True)
+    speculative_steps(model, canvas, section_blocks(scaffold, block_size), scaffold_aware=True, fuse=fuse_draft)
     return Decoded(canvas.ids, canvas.accepted_per_step)
 
 
@@ -108,6 +153,8 @@ def self_speculative_decode(
     return Decoded(canvas.ids, canvas.accepted_per_step)
 
 
-def ss_nfe_floor(scaffold: Scaffold, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
-    """The fewest forwards `ss` can take: the prefill and one draft + one verify per block with values."""
-    return 1 + 2 * sum(bool(scaffold.is_value[b.start : b.end].any()) for b in scaffold.blocks(block_size))
+def ss_nfe_floor(scaffold: Scaffold, block_size: int = DEFAULT_BLOCK_SIZE, fuse_draft: bool = False) -> int:
+    """The fewest forwards `ss` can take: the prefill and one draft + one verify per block with values
+    (the paper's count); with `fuse_draft`, one draft for the first such block and one verify per block."""
+    blocks = sum(bool(scaffold.is_value[b.start : b.end].any()) for b in scaffold.blocks(block_size))
+    return 1 + (1 + blocks if fuse_draft else 2 * blocks)

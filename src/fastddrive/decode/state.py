@@ -79,10 +79,6 @@ class Canvas:
         self.committed += 1
         self.next_logits = None
 
-    def uncached(self) -> list[int]:
-        """Committed tokens not yet in the cache: they open the next forward."""
-        return self.ids[self.cached : self.committed]
-
     def crop_to(self, position: int) -> None:
         """Keep the cache up to response position `position` (exclusive)."""
         self.cache.crop(self.prompt_length + position)

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import torch
 
+from fastddrive.decode.meter import ForwardMeter
 from fastddrive.decode.result import Decoded
 from fastddrive.decode.speculative import section_blocks, speculative_steps
 from fastddrive.decode.state import Canvas, sampler
@@ -35,6 +36,7 @@ def trajectory_rollouts_decode(
     temperature: float = DEFAULT_TEMPERATURE,
     block_size: int = DEFAULT_BLOCK_SIZE,
     seed: int = 0,
+    fuse_draft: bool = True,
 ) -> Decoded:
     """`tts`: the token ids are the first rollout's; `extra` holds every rollout, the averaged 20-point
     trajectory (metres, 4 Hz) and the cost of the shared prefix and of each rollout (forwards, ms)."""
@@ -43,17 +45,21 @@ def trajectory_rollouts_decode(
     blocks = section_blocks(scaffold, block_size)
     trajectory_start = scaffold.section_spans["trajectory"][0]
     began = time.perf_counter()
-    canvas = Canvas.prefill(model, prompt, scaffold)
-    speculative_steps(model, canvas, blocks, scaffold_aware=True, until=trajectory_start)
+    prefix = ForwardMeter()
+    with prefix.watch(model.model):
+        canvas = Canvas.prefill(model, prompt, scaffold)
+        speculative_steps(model, canvas, blocks, scaffold_aware=True, until=trajectory_start, fuse=fuse_draft)
     prefix_ms = 1000 * (time.perf_counter() - began)
-    prefix_steps = len(canvas.accepted_per_step)
 
     finished: list[Canvas] = []
-    rollout_ms = []
+    rollout_ms, rollout_nfe = [], []
     for r, fork in enumerate(canvas.fork(rollouts)):
-        began = time.perf_counter()
-        speculative_steps(model, fork, blocks, scaffold_aware=True, pick=sampler(temperature, seed + r))
+        began, meter = time.perf_counter(), ForwardMeter()
+        with meter.watch(model.model):
+            pick = sampler(temperature, seed + r)
+            speculative_steps(model, fork, blocks, scaffold_aware=True, pick=pick, fuse=fuse_draft)
         rollout_ms.append(1000 * (time.perf_counter() - began))
+        rollout_nfe.append(meter.calls)
         finished.append(fork)
 
     dense = []
@@ -64,7 +70,6 @@ def trajectory_rollouts_decode(
             continue  # a rollout that does not parse does not vote
     mean = np.mean(dense, axis=0) if dense else None
     first = finished[0]
-    rollout_forwards = [2 * len(f.accepted_per_step) for f in finished]
     return Decoded(
         first.ids,
         canvas.accepted_per_step + first.accepted_per_step,
@@ -72,8 +77,8 @@ def trajectory_rollouts_decode(
             "rollouts": [f.ids for f in finished],
             "valid_rollouts": len(dense),
             "mean_trajectory_m": mean.tolist() if mean is not None else None,
-            "prefix_nfe": 1 + 2 * prefix_steps,
-            "rollout_nfe": rollout_forwards,
+            "prefix_nfe": prefix.calls,
+            "rollout_nfe": rollout_nfe,
             "prefix_ms": prefix_ms,
             "rollout_ms": rollout_ms,
         },

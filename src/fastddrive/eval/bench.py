@@ -98,7 +98,8 @@ def summarise(
     runs: Sequence[DecoderRun], scenes: Sequence[DrivingSample], results: dict[str, list[DecodeResult]]
 ) -> list[BenchRow]:
     """One row per decoder; `scenes` are the timed ones, in the order of the results."""
-    reference = next((run for run in runs if run.decoder == "ar" and not run.options), None)
+    # `ar` on the model under test: the reference for speed-up and for token-for-token equality.
+    reference = next((run for run in runs if run.label == "ar"), None)
     ar_latency = _median(results[reference.label], lambda r: r.latency_ms) if reference else None
     rows = []
     for run in runs:

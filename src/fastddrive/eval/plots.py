@@ -56,16 +56,18 @@ def draw_frontier(rows: Sequence[Mapping[str, object]], path: str | Path, title:
     """Write the speed-accuracy frontier: median latency (ms, log scale) against ADE@5s (m), one point per
     decoder; `rows` are benchmark rows with `label`, `latency_ms` and `ade5`."""
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
-    for row in rows:
-        if row.get("ade5") is None:
-            continue
+    drawn = sorted((r for r in rows if r.get("ade5") is not None), key=lambda r: r["latency_ms"])
+    for k, row in enumerate(drawn):
         ax.scatter(row["latency_ms"], row["ade5"], s=30)
+        # Alternate labels above and below: neighbouring decoders often sit at the same accuracy.
+        offset = (4, 4 if k % 2 == 0 else -10)
         ax.annotate(
-            str(row["label"]), (row["latency_ms"], row["ade5"]), fontsize=7, xytext=(4, 3), textcoords="offset points"
+            str(row["label"]), (row["latency_ms"], row["ade5"]), fontsize=7, xytext=offset, textcoords="offset points"
         )
     ax.set_xscale("log")
+    ax.set_yscale("log")  # decoders that fail by tens of metres must not flatten the others
     ax.set_xlabel("median latency per answer (ms, log scale)")
-    ax.set_ylabel("ADE@5s (m)")
+    ax.set_ylabel("ADE@5s (m, log scale)")
     ax.set_title(title or "speed-accuracy frontier (lower left is better)", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     path = Path(path)
