@@ -178,6 +178,7 @@ def test_plan_from_an_image_history_and_command(small_dataset, tmp_path):
     [
         (["--history", "[[1, 2]]", "--command", "go_straight"], "history must be 7 rows"),
         (["--history", "not json", "--command", "go_straight"], "not valid JSON"),
+        (["--history", "missing.json", "--command", "go_straight"], "does not exist"),
         (["--history", json.dumps([[0.0] * 6] * 7), "--command", "fly"], "unknown navigation command"),
         (["--image", "missing.png", "--history", "[]", "--command", "go_straight"], "cannot read image"),
         (["--decoder", "beam"], "unknown decoder 'beam'"),

@@ -442,7 +442,9 @@ def _read_history(text: str):
     from fastddrive.data.sample import SampleError
 
     source = Path(text)
-    raw = source.read_text() if source.suffix == ".json" and source.is_file() else text
+    if source.suffix == ".json" and not source.is_file():
+        raise SampleError(f"--history file {source} does not exist")
+    raw = source.read_text() if source.suffix == ".json" else text
     try:
         return json.loads(raw)
     except json.JSONDecodeError as err:
