@@ -102,3 +102,10 @@ def test_direct_construction_validates_too():
         )
     with pytest.raises(ValueError, match="is NaN"):
         DrivingResponse.model_validate({**example_response().model_dump(), "trajectory": [(math.nan, 0.0)] * 5})
+
+
+def test_explanations_are_nfc_so_they_survive_the_tokenizer():
+    from fastddrive.schema import example_response
+
+    response = example_response().model_copy(update={"explanation": "\U0002f800"})
+    assert DrivingResponse.model_validate(response.model_dump()).explanation == "\u4e3d"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import product
@@ -124,8 +125,9 @@ class DrivingResponse(BaseModel):
     @field_validator("explanation")
     @classmethod
     def _one_line(cls, value: str) -> str:
-        # One canonical spelling per explanation: runs of whitespace (newlines included) become a space.
-        return " ".join(value.split())
+        # One canonical spelling per explanation: runs of whitespace (newlines included) become a space, and
+        # Unicode is NFC, as the Qwen2 tokenizer normalizes it (else U+2F800 would come back as U+4E3D).
+        return " ".join(unicodedata.normalize("NFC", value).split())
 
     @field_validator("trajectory", mode="before")
     @classmethod
