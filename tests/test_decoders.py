@@ -189,9 +189,10 @@ def test_forward_counting_matches_the_model_calls(embedded, scenes):
 
 
 def test_evaluation_reports_a_failed_sample_and_completes_the_rest(embedded, scenes, monkeypatch):
+    from fastddrive import planner
     from fastddrive.eval import accuracy
 
-    real, calls = accuracy.decode, []
+    real, calls = planner.decode, []
 
     def flaky(*args, **options):
         calls.append(1)
@@ -199,7 +200,7 @@ def test_evaluation_reports_a_failed_sample_and_completes_the_rest(embedded, sce
             raise RuntimeError("out of memory")
         return real(*args, **options)
 
-    monkeypatch.setattr(accuracy, "decode", flaky)
+    monkeypatch.setattr(planner, "decode", flaky)
     report = accuracy.evaluate(embedded.model, scenes[:3], "ss")
     assert report.samples == 3 and len(report.failures) == 1 and "out of memory" in report.failures[0]
     assert report.invalid == 0 and np.isfinite(report.ade5_m) and report.validity == pytest.approx(2 / 3)

@@ -451,21 +451,6 @@ def _read_history(text: str):
         raise SampleError(f"--history is not valid JSON ({err}); give 7 rows of [x, y, vx, vy, ax, ay]") from None
 
 
-def _decoder_options(pairs: list[str]) -> dict[str, object]:
-    from fastddrive.decode.registry import DecoderError
-
-    options: dict[str, object] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise DecoderError(f"--option takes KEY=VALUE, got {pair!r}")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return options
-
-
 @app.command("plan")
 def plan_command(
     model: Annotated[str, typer.Option(help="'default', 'default-ar', or a local model folder.")] = "default",
@@ -485,9 +470,10 @@ def plan_command(
     """Plan one scene: from a dataset (--data/--split/--index) or from --image/--history/--command."""
     import fastddrive
     from fastddrive.data.sample import DrivingDataset, SampleError
+    from fastddrive.decode.registry import parse_options
 
     with user_errors():
-        options = _decoder_options(option or [])
+        options = parse_options(option or [])
         if data is not None:
             if image or history or command:
                 raise SampleError("give either --data or --image/--history/--command, not both")

@@ -20,6 +20,16 @@ def within_slots(logits: torch.Tensor, positions: Sequence[int], scaffold: Scaff
     return logits.float().masked_fill(~allowed, float("-inf"))
 
 
+def masked_rows(
+    proposal: Sequence[int], logits: torch.Tensor, row_of_first: int, first: int, scaffold: Scaffold
+) -> tuple[list[int], torch.Tensor]:
+    """The masked indices of `proposal` (positions first, first + 1, ...) and their MDM logits restricted to
+    their slots; proposal[i] is predicted by logits[row_of_first + i]."""
+    masked = [i for i, token in enumerate(proposal) if token == scaffold.mask_id]
+    rows = within_slots(logits[[row_of_first + i for i in masked]], [first + i for i in masked], scaffold)
+    return masked, rows
+
+
 def confident_positions(logits: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
     """For masked rows (m, V): the rows to unmask and their argmax tokens.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fastddrive.decode.confidence import confident_positions, within_slots
+from fastddrive.decode.confidence import confident_positions, masked_rows
 from fastddrive.decode.result import Decoded
 from fastddrive.decode.state import Canvas, greedy
 from fastddrive.model import BlockDiffusionModel, PromptInputs
@@ -29,13 +29,11 @@ def diffusion_steps(
         if canvas.cached == canvas.committed:
             canvas.commit_seed(greedy)
         n, c = canvas.committed, canvas.cached
-        proposal = [ids[p] if scaffold_aware and canvas.is_scaffold(p) else mask_id for p in range(n, end)]
+        proposal = canvas.blank(n, end, scaffold_aware)
         drafted = mask_id in proposal
-        head = ids[c:n]
         while mask_id in proposal:
-            logits = model.draft(canvas.cache, head + proposal, causal_head=min(max(0, start - c), len(head)))
-            masked = [i for i, token in enumerate(proposal) if token == mask_id]
-            rows = within_slots(logits[[len(head) + i - 1 for i in masked]], [n + i for i in masked], canvas.scaffold)
+            logits = canvas.draft(model, start, proposal)
+            masked, rows = masked_rows(proposal, logits, n - c - 1, n, canvas.scaffold)
             chosen, tokens = confident_positions(rows, tau)
             for k in chosen.tolist():
                 i = masked[k]

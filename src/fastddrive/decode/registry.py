@@ -8,6 +8,7 @@ The CLI, the planner and the benchmark only go through `decode`.
 from __future__ import annotations
 
 import inspect
+import json
 import time
 from collections.abc import Callable
 
@@ -63,6 +64,20 @@ def check_options(name: str, options: dict[str, object]) -> None:
         if key not in known:
             takes = ", ".join(known) or "no options"
             raise DecoderError(f"decoder {name!r} takes no option {key!r} (it takes: {takes})")
+
+
+def parse_options(pairs: list[str]) -> dict[str, object]:
+    """['tau=0.5', 'fuse_draft=false'] -> {'tau': 0.5, 'fuse_draft': False}: JSON values, else the text."""
+    options: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise DecoderError(f"a decoder option is KEY=VALUE, got {pair!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
 
 
 def decode(

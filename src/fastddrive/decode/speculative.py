@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from fastddrive.decode.confidence import within_slots
+from fastddrive.decode.confidence import masked_rows
 from fastddrive.decode.result import Decoded
 from fastddrive.decode.state import Canvas, TokenPicker, greedy
 from fastddrive.model import BlockDiffusionModel, PromptInputs, block_mask
@@ -37,10 +37,8 @@ def sliding_window(length: int, block_size: int) -> BlockOf:
 
 
 def _fill(proposal: list[int], logits: torch.Tensor, row_of_first: int, first: int, canvas: Canvas) -> None:
-    """Replace the masks of `proposal` (positions first, first + 1, ...) by the MDM head's tokens; the
-    prediction of proposal[i] is logits[row_of_first + i]."""
-    masked = [i for i, token in enumerate(proposal) if token == canvas.scaffold.mask_id]
-    rows = within_slots(logits[[row_of_first + i for i in masked]], [first + i for i in masked], canvas.scaffold)
+    """Replace the masks of `proposal` (positions first, first + 1, ...) by the MDM head's greedy tokens."""
+    masked, rows = masked_rows(proposal, logits, row_of_first, first, canvas.scaffold)
     for i, token in zip(masked, rows.argmax(-1).tolist(), strict=True):
         proposal[i] = token
 
@@ -66,9 +64,6 @@ def speculative_steps(
     until = len(canvas) if until is None else until
     mask_id, ids = canvas.scaffold.mask_id, canvas.ids
 
-    def template(first: int, last: int) -> list[int]:
-        return [ids[p] if scaffold_aware and canvas.is_scaffold(p) else mask_id for p in range(first, last)]
-
     ready: tuple[int, int, list[int]] | None = None  # a draft [first, last) made by the previous verify
     while canvas.committed < until:
         if canvas.cached == canvas.committed:
@@ -77,7 +72,7 @@ def speculative_steps(
         n, c = canvas.committed, canvas.cached
         start, end = block_of(n)
         end = min(end, until)
-        proposal = template(n, end)
+        proposal = canvas.blank(n, end, scaffold_aware)
         if mask_id not in proposal:  # scaffold only: accepted with no forward
             canvas.committed = end
             continue
@@ -85,12 +80,11 @@ def speculative_steps(
         if ready is not None and ready[:2] == (n, end):
             proposal = ready[2]
         else:
-            logits = model.draft(canvas.cache, head + proposal, causal_head=min(max(0, start - c), len(head)))
-            _fill(proposal, logits, len(head) - 1, n, canvas)
+            _fill(proposal, canvas.draft(model, start, proposal), len(head) - 1, n, canvas)
         ready = None
         fed = head + proposal
         following = block_of(end) if fuse and end < until else None
-        tail = template(end, min(following[1], until)) if following else []
+        tail = canvas.blank(end, min(following[1], until), scaffold_aware) if following else []
         if mask_id in tail[1:]:
             logits = model.tree(
                 canvas.cache,

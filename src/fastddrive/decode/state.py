@@ -73,6 +73,19 @@ class Canvas:
         """The AR head's token at `position`: the template on the scaffold, else `pick(logits)`."""
         return int(self.scaffold.template_ids[position]) if self.is_scaffold(position) else pick(logits)
 
+    def blank(self, first: int, last: int, scaffold_aware: bool) -> list[int]:
+        """Positions [first, last) before drafting: |<MASK>| everywhere, or only on values if scaffold-aware."""
+        mask_id = self.scaffold.mask_id
+        return [self.ids[p] if scaffold_aware and self.is_scaffold(p) else mask_id for p in range(first, last)]
+
+    def draft(self, model: BlockDiffusionModel, block_start: int, proposal: list[int]) -> torch.Tensor:
+        """MDM logits of the uncached committed tokens followed by `proposal` (cache unchanged). Those
+        before `block_start` stay causal, as clean context is in training; row len(head) - 1 + i
+        predicts proposal[i]."""
+        head = self.ids[self.cached : self.committed]
+        causal_head = min(max(0, block_start - self.cached), len(head))
+        return model.draft(self.cache, head + proposal, causal_head=causal_head)
+
     def commit_seed(self, pick: TokenPicker) -> None:
         """Commit the token at `committed` from `next_logits` (one AR step, no forward)."""
         self.ids[self.committed] = self.target(self.committed, self.next_logits, pick)

@@ -29,8 +29,8 @@ from fastddrive.eval.metrics import (
     rater_feedback_score,
 )
 from fastddrive.model import BlockDiffusionModel
-from fastddrive.planner import prompt_inputs
-from fastddrive.scaffold import DEFAULT_EXPLANATION_BUDGET, Scaffold
+from fastddrive.planner import Planner, prompt_inputs
+from fastddrive.scaffold import Scaffold
 from fastddrive.schema import DrivingResponse
 
 TWO_HZ = slice(1, 12, 2)  # t = 0.5, 1.0, ..., 3.0 s of a 4 Hz path starting at 0.25 s
@@ -107,7 +107,7 @@ def evaluate(
     on_sample: Callable[[], None] | None = None,
 ) -> AccuracyReport:
     """Answer every sample with `decoder` and score the answers."""
-    scaffold = Scaffold(model.tokenizer, explanation_budget=model.info.explanation_budget or DEFAULT_EXPLANATION_BUDGET)
+    planner = Planner(model)
     predicted: list[DrivingResponse] = []
     truth: list[DrivingResponse] = []
     ades, cv, rfs, l2, collisions, failures, rows, invalid, count = [], [], [], [], [], [], [], 0, 0
@@ -119,8 +119,7 @@ def evaluate(
         row |= {"ade5_m": None, "cv_ade3_m": cv[-1][0], "cv_ade5_m": cv[-1][1]}
         rows.append(row)
         try:
-            prompt = prompt_inputs(model, sample.command, sample.history, [sample.image])
-            response = decode(decoder, model, prompt, scaffold, **(options or {})).response
+            response = planner.plan(sample, decoder, **(options or {})).response
         except DecoderError:
             raise  # a wrong decoder or option fails every sample alike
         except Exception as err:  # one failed sample is reported; the rest completes

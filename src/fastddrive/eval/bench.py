@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from fastddrive.data.sample import DrivingSample
-from fastddrive.decode.registry import check_options, get_decoder
+from fastddrive.decode.registry import check_options, get_decoder, parse_options
 from fastddrive.decode.result import DecodeResult
 from fastddrive.eval.metrics import waypoint_ade_m
 from fastddrive.planner import Planner
@@ -30,17 +30,9 @@ class DecoderRun:
 
 def parse_decoder_spec(spec: str) -> tuple[str, dict[str, object]]:
     """'sd' or 'sd:tau=0.0:block_size=16' -> ('sd', {'tau': 0.0, 'block_size': 16}); checked."""
-    import json
-
     name, *pairs = spec.split(":")
     get_decoder(name)
-    options: dict[str, object] = {}
-    for pair in pairs:
-        key, _, value = pair.partition("=")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
+    options = parse_options(pairs)
     check_options(name, options)
     return name, options
 
