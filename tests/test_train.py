@@ -11,11 +11,12 @@ from fastddrive.data.build import build_dataset
 from fastddrive.data.sample import DrivingDataset
 from fastddrive.model import BlockDiffusionModel, tiny_image_processor, tiny_qwen2_5_vl
 from fastddrive.scaffold import Scaffold
+from fastddrive.schema import SECTIONS
 from fastddrive.tokenizer import MissingDiffusionTokens, corpus_texts, train_tokenizer
 from fastddrive.train.checkpoint import list_checkpoints, validate_checkpoint
 from fastddrive.train.collate import IGNORE, DualStreamCollator
 from fastddrive.train.config import ConfigError, load_config
-from fastddrive.train.loop import initial_model, train
+from fastddrive.train.loop import batch_loss, initial_model, train
 from fastddrive.train.losses import sasd_loss
 from fastddrive.train.noise import annealed_block_size, complementary_masks
 from model_fixtures import synthetic_sample
@@ -48,9 +49,7 @@ def _fixed_batch_loss(model, config, data, seed=0):
     batch = collator([collator.example(s) for s in samples], config.block_size, np.random.default_rng(seed))
     with torch.no_grad():
         noisy, clean = model.dual_stream_logits(**batch.forward_inputs())
-    return sasd_loss(
-        noisy, clean, batch.noisy_labels, batch.noisy_weights, batch.clean_labels, config.alpha, config.beta
-    ).total.item()
+    return batch_loss(noisy, clean, batch, config).total.item()
 
 
 def _loss_falls(config, data):
@@ -218,6 +217,37 @@ def test_sasd_batches_never_mask_scaffold_or_block_starts_and_label_with_token_s
     start = int(batch.response_start[0])
     targets = torch.nonzero(batch.clean_labels[0] != IGNORE).flatten() + 1 - start
     assert torch.equal(targets, torch.as_tensor(np.flatnonzero(scaffold.is_value)))
+
+
+def test_ar_loss_weights_follow_the_response_sections():
+    from model_fixtures import vision_model
+
+    model = vision_model()
+    scaffold = Scaffold(model.tokenizer)
+    weights = {"critical_objects": 1.5, "explanation": 1.0, "future_meta_behavior": 2.0, "trajectory": 3.0}
+    plain = DualStreamCollator(model, scaffold, load_config("tiny-ar", ar_section_weights=dict.fromkeys(weights, 1)))
+    weighted = DualStreamCollator(model, scaffold, load_config("tiny-ar", ar_section_weights=weights))
+    example = weighted.example(synthetic_sample(0))
+    batch = weighted([example], 8, np.random.default_rng(0))
+    labelled = batch.clean_labels[0] != IGNORE
+    start = int(batch.response_start[0])
+    sections = torch.as_tensor(example.section)[torch.nonzero(labelled).flatten() + 1 - start]
+    expected = torch.tensor([weights[SECTIONS[i]] for i in sections])
+    assert torch.equal(batch.clean_weights[0, labelled], expected)
+    assert not batch.clean_weights[0, ~labelled].any()
+    assert (sections == SECTIONS.index("trajectory")).sum() > 20  # the digits and the end token
+
+    logits = torch.randn(1, batch.clean_labels.shape[1], model.model.config.get_text_config().vocab_size)
+    empty = torch.zeros(1, 0, logits.shape[-1])
+    targets = batch.clean_labels[0, labelled]
+    per_token = torch.nn.functional.cross_entropy(logits[0, labelled], targets, reduction="none")
+    unweighted = plain([example], 8, np.random.default_rng(0))
+    args = (empty, logits, batch.noisy_labels, batch.noisy_weights, batch.clean_labels, 0.5, 0.5)
+    same = sasd_loss(*args, clean_weights=unweighted.clean_weights).total
+    assert torch.allclose(same, sasd_loss(*args).total)
+    assert torch.allclose(same, per_token.mean())
+    heavy = sasd_loss(*args, clean_weights=batch.clean_weights).total
+    assert torch.allclose(heavy, (per_token * expected).mean())
 
 
 @pytest.mark.slow

@@ -9,7 +9,8 @@ known token, DESIGN 5), scaffold tokens are never masked, and value tokens are m
 Labels are aligned with the logits that predict them (token shift): `noisy_labels[r, i]` is the token
 at response offset i + 1 if that position is masked in copy r and lies in the same block, and
 `clean_labels[a]` the clean token at a + 1 if it is a value token of the response (every response
-token for the AR recipe). -100 elsewhere.
+token for the AR recipe). -100 elsewhere. `clean_weights[a]` is the AR loss weight of that token's
+section (`ar_section_weights`), 0 where there is no label.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class Batch:
     noisy_labels: torch.Tensor
     noisy_weights: torch.Tensor
     clean_labels: torch.Tensor
+    clean_weights: torch.Tensor
     pixel_values: torch.Tensor | None
     image_grid_thw: torch.Tensor | None
 
@@ -68,6 +70,7 @@ class DualStreamCollator:
         self.pad_id = model.tokenizer.pad_token_id
         self.end_id = model.tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.weights = np.array([config.section_weights[s] for s in SECTIONS])
+        self.ar_weights = np.array([config.ar_section_weights[s] for s in SECTIONS])
 
     def example(self, sample: DrivingSample) -> Example:
         images = [sample.image] if self.model.is_vision else []
@@ -89,6 +92,7 @@ class DualStreamCollator:
         lc = max(clean_lengths)
         clean_ids = torch.full((batch, lc), self.pad_id, dtype=torch.long)
         clean_labels = torch.full((batch, lc), IGNORE, dtype=torch.long)
+        clean_weights = torch.zeros((batch, lc))
         copies = 2 if self.config.recipe == "sasd" else 0
         r = max(len(e.response) for e in examples)
         noisy_ids = torch.full((batch, copies, r), self.pad_id, dtype=torch.long)
@@ -103,6 +107,7 @@ class DualStreamCollator:
             clean_ids[b, start : start + n] = response
             targets = np.flatnonzero(example.is_value)
             clean_labels[b, start + targets - 1] = response[targets]
+            clean_weights[b, start + targets - 1] = torch.as_tensor(self.ar_weights[example.section[targets]]).float()
             if not copies:
                 continue
             first_of_block = np.zeros(n, dtype=bool)
@@ -131,6 +136,7 @@ class DualStreamCollator:
             noisy_labels=noisy_labels,
             noisy_weights=noisy_weights,
             clean_labels=clean_labels,
+            clean_weights=clean_weights,
             pixel_values=torch.cat(pixels) if pixels else None,
             image_grid_thw=torch.cat(grids) if grids else None,
         )

@@ -62,6 +62,9 @@ class TrainConfig(BaseModel):
         "future_meta_behavior": 2.0,
         "trajectory": 3.0,
     }
+    # Weights of the causal LM (clean stream) loss per response section; all 1 is the plain mean. The
+    # embedded presets raise the trajectory's, whose few digit tokens carry the driving error.
+    ar_section_weights: dict[str, float] = dict.fromkeys(SECTIONS, 1.0)
     section_noise: dict[str, tuple[float, float]] = {
         "critical_objects": (1.0, 2.0),
         "explanation": (1.0, 1.0),
@@ -76,7 +79,7 @@ class TrainConfig(BaseModel):
     log_every: int = 10
     seed: int = 0
 
-    @field_validator("section_weights", "section_noise")
+    @field_validator("section_weights", "ar_section_weights", "section_noise")
     @classmethod
     def _every_section(cls, value: dict) -> dict:
         unknown = set(value) - set(SECTIONS)

@@ -33,9 +33,9 @@ from fastddrive.train.checkpoint import (
     save_checkpoint,
     scheduler_state,
 )
-from fastddrive.train.collate import DualStreamCollator
+from fastddrive.train.collate import Batch, DualStreamCollator
 from fastddrive.train.config import ConfigError, TrainConfig
-from fastddrive.train.losses import sasd_loss
+from fastddrive.train.losses import LossParts, sasd_loss
 from fastddrive.train.noise import annealed_block_size
 
 LOG_FILE = "log.csv"
@@ -92,6 +92,20 @@ def initial_model(config: TrainConfig) -> BlockDiffusionModel:
     return wrapper
 
 
+def batch_loss(noisy: torch.Tensor, clean: torch.Tensor, batch: Batch, config: TrainConfig) -> LossParts:
+    """The joint objective on one batch's dual-stream logits."""
+    return sasd_loss(
+        noisy,
+        clean,
+        batch.noisy_labels,
+        batch.noisy_weights,
+        batch.clean_labels,
+        config.alpha,
+        config.beta,
+        clean_weights=batch.clean_weights,
+    )
+
+
 def lr_factor(step: int, config: TrainConfig) -> float:
     """Linear warm-up, then cosine decay to `min_lr_ratio` of the peak."""
     if step < config.warmup_steps:
@@ -113,9 +127,7 @@ def validate(
         examples = [collator.example(s) for s in samples]
         batch = collator(examples, config.block_size, np.random.default_rng([config.seed, 10**9]))
         noisy, clean = model.dual_stream_logits(**batch.forward_inputs())
-        parts = sasd_loss(
-            noisy, clean, batch.noisy_labels, batch.noisy_weights, batch.clean_labels, config.alpha, config.beta
-        )
+        parts = batch_loss(noisy, clean, batch, config)
     accuracy = evaluate_greedy_ar(model, samples[:ade_samples])
     model.model.train()
     return {
@@ -210,9 +222,7 @@ def train(
         )
         with accelerator.autocast():
             noisy, clean = model.dual_stream_logits(**batch.forward_inputs())
-            parts = sasd_loss(
-                noisy, clean, batch.noisy_labels, batch.noisy_weights, batch.clean_labels, config.alpha, config.beta
-            )
+            parts = batch_loss(noisy, clean, batch, config)
         accelerator.backward(parts.total)
         if config.grad_clip:
             accelerator.clip_grad_norm_(model.model.parameters(), config.grad_clip)

@@ -26,10 +26,18 @@ def sasd_loss(
     clean_labels: torch.Tensor,
     alpha: float,
     beta: float,
+    clean_weights: torch.Tensor | None = None,
 ) -> LossParts:
     """Noisy CE at masked value positions scaled by section weight (mean over masked tokens), plus the
-    clean stream's CE on the response's value tokens; for the AR recipe (no noisy copies) only the latter."""
-    clean = F.cross_entropy(clean_logits.flatten(0, -2).float(), clean_labels.flatten().to(clean_logits.device))
+    clean stream's CE on the response's value tokens, scaled by `clean_weights` where given (mean over
+    labelled tokens); for the AR recipe (no noisy copies) only the latter."""
+    targets = clean_labels.flatten().to(clean_logits.device)
+    if clean_weights is None:
+        clean = F.cross_entropy(clean_logits.flatten(0, -2).float(), targets)
+    else:
+        per_clean = F.cross_entropy(clean_logits.flatten(0, -2).float(), targets, reduction="none", ignore_index=IGNORE)
+        weighted = per_clean * clean_weights.flatten().to(per_clean.device)
+        clean = weighted.sum() / (targets != IGNORE).sum().clamp(min=1)
     labels = noisy_labels.flatten().to(noisy_logits.device)
     masked = int((labels != IGNORE).sum())
     if masked == 0:
