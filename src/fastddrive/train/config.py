@@ -63,7 +63,7 @@ class TrainConfig(BaseModel):
         "trajectory": 3.0,
     }
     # Weights of the causal LM (clean stream) loss per response section; all 1 is the plain mean. The
-    # embedded presets raise the trajectory's, whose few digit tokens carry the driving error.
+    # embedded presets raise the trajectory's, whose digit tokens carry the driving error.
     ar_section_weights: dict[str, float] = dict.fromkeys(SECTIONS, 1.0)
     section_noise: dict[str, tuple[float, float]] = {
         "critical_objects": (1.0, 2.0),
