@@ -32,12 +32,10 @@ def sasd_loss(
     clean stream's CE on the response's value tokens, scaled by `clean_weights` where given (mean over
     labelled tokens); for the AR recipe (no noisy copies) only the latter."""
     targets = clean_labels.flatten().to(clean_logits.device)
-    if clean_weights is None:
-        clean = F.cross_entropy(clean_logits.flatten(0, -2).float(), targets)
-    else:
-        per_clean = F.cross_entropy(clean_logits.flatten(0, -2).float(), targets, reduction="none", ignore_index=IGNORE)
-        weighted = per_clean * clean_weights.flatten().to(per_clean.device)
-        clean = weighted.sum() / (targets != IGNORE).sum().clamp(min=1)
+    per_clean = F.cross_entropy(clean_logits.flatten(0, -2).float(), targets, reduction="none", ignore_index=IGNORE)
+    if clean_weights is not None:
+        per_clean = per_clean * clean_weights.flatten().to(per_clean.device)
+    clean = per_clean.sum() / (targets != IGNORE).sum().clamp(min=1)
     labels = noisy_labels.flatten().to(noisy_logits.device)
     masked = int((labels != IGNORE).sum())
     if masked == 0:
