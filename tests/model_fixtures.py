@@ -4,7 +4,8 @@ import numpy as np
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from fastddrive.data.sample import CameraView, DrivingSample
-from fastddrive.model import BlockDiffusionModel, tiny_image_processor, tiny_qwen2_5_vl
+from fastddrive.model import BlockDiffusionModel
+from fastddrive.model_files import tiny_image_processor, tiny_qwen2_5_vl
 from fastddrive.schema import CRITICAL_OBJECT_CLASSES, DrivingResponse, MetaBehavior
 from fastddrive.tokenizer import default_tokenizer_path, load_tokenizer
 

@@ -195,17 +195,20 @@ def test_plan_rejects_bad_input_with_a_clear_message(small_dataset, args, messag
 
 def test_bench_times_decoders_on_the_same_scenes_and_writes_json_and_png(small_dataset, tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "frontier.png"
-    args = ["bench", "--data", small_dataset, "--samples", 2, "--decoders", "ar,ss,sd:tau=0.0", "--json", out]
-    result = _run(*args, "--png", png)
+    args = ["bench", "--data", small_dataset, "--samples", 2, "--decoders", "ar,ar-jump,ss,sd:tau=0.0", "--json", out]
+    result = _run(*args, "--png", png, "--baseline", "default-ar")
     assert result.exit_code == 0, result.output
     rows = {row["label"]: row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"ar", "ss", "sd:tau=0.0"}
+    assert set(rows) == {"ar (default-ar, free JSON)", "ar", "ar-jump", "ss", "sd:tau=0.0"}
     keys = {"decoder", "nfe", "tokens_per_nfe", "tokens_per_s", "latency_ms", "speedup_vs_ar", "ade3", "ade5"}
+    keys |= {"speedup_vs_ar_jump", "speedup_vs_baseline"}
     for row in rows.values():
         assert keys <= set(row)
         assert row["samples"] == 2
-    assert rows["ss"]["identical_to_ar"] == 1.0 and rows["ss"]["nfe"] < rows["ar"]["nfe"]
-    assert rows["ar"]["speedup_vs_ar"] == 1.0
+    assert rows["ss"]["identical_to_ar"] == rows["ar-jump"]["identical_to_ar"] == 1.0
+    assert rows["ss"]["nfe"] < rows["ar-jump"]["nfe"] < rows["ar"]["nfe"]
+    assert rows["ar"]["speedup_vs_ar"] == rows["ar-jump"]["speedup_vs_ar_jump"] == 1.0
+    assert rows["ar (default-ar, free JSON)"]["speedup_vs_baseline"] == 1.0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     bad = _run("bench", "--data", small_dataset, "--decoders", "ss:tau=0.5")
     assert bad.exit_code == 2 and "takes no option 'tau'" in bad.output

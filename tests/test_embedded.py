@@ -5,7 +5,7 @@ import pytest
 
 from fastddrive.data.highway import episode_samples
 from fastddrive.eval.accuracy import greedy_ar_response
-from fastddrive.model import BlockDiffusionModel, model_path
+from fastddrive.model_files import load_model, model_path
 from fastddrive.scaffold import Scaffold
 
 MAX_CHECKPOINT_BYTES = 25 * 1024 * 1024
@@ -22,7 +22,7 @@ def test_embedded_checkpoint_loads_and_answers(name, kind, scene):
     size = sum(f.stat().st_size for f in path.iterdir())
     assert size <= MAX_CHECKPOINT_BYTES
     assert not list(path.glob("*.bin")) and (path / "model.safetensors").is_file()
-    model = BlockDiffusionModel.from_pretrained(path)
+    model = load_model(path)
     assert model.info.kind == kind and model.is_vision
     scaffold = Scaffold(model.tokenizer, explanation_budget=model.info.explanation_budget)
     response, ids = greedy_ar_response(model, scaffold, scene)

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastddrive.model import additive_mask, block_mask
+from fastddrive.masks import additive_mask, block_mask
 from fastddrive.scaffold import Scaffold
 from fastddrive.train.collate import DualStreamCollator
 from fastddrive.train.config import load_config
@@ -72,42 +72,3 @@ def test_a_draft_block_after_committed_tokens_keeps_them_causal():
         [True, True, True, True],
     ]
     assert block_mask(3).all()
-
-
-def _prefix(model):
-    sample = synthetic_sample(3)
-    images = [sample.image] if model.is_vision else []
-    text = "<|im_start|>user\n" + ("<|vision_start|><|image_pad|><|vision_end|>" if images else "") + "Go.<|im_end|>"
-    return model.encode_prompt(text, images)
-
-
-def _kv(cache):
-    return [(layer.keys.clone(), layer.values.clone()) for layer in cache.cache.layers]
-
-
-def test_draft_leaves_the_cache_unchanged(model):
-    _, cache = model.prefill(_prefix(model))
-    before = _kv(cache)
-    model.draft(cache, [100, 101, 102, 103])
-    after = _kv(cache)
-    assert cache.length == before[0][0].shape[2]
-    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(before, after, strict=True))
-
-
-def test_verify_then_crop_is_as_if_never_fed(model):
-    _, cache = model.prefill(_prefix(model))
-    reference = model.verify(cache.fork(1)[0], [200, 201])
-    model.verify(cache, [300, 301, 302])
-    cache.crop(cache.length - 3)
-    again = model.verify(cache, [200, 201])
-    assert torch.allclose(reference, again, atol=1e-6)
-    with pytest.raises(ValueError, match="cannot crop"):
-        cache.crop(cache.length + 1)
-
-
-def test_forked_caches_are_independent(model):
-    _, cache = model.prefill(_prefix(model))
-    a, b = cache.fork(2)
-    model.verify(a, [400, 401, 402])
-    assert b.length == cache.length and a.length == cache.length + 3
-    assert torch.allclose(model.verify(b, [200]), model.verify(cache, [200]), atol=1e-6)

@@ -9,7 +9,7 @@ import torch
 
 from fastddrive.data.build import build_dataset
 from fastddrive.data.sample import DrivingDataset
-from fastddrive.model import BlockDiffusionModel, tiny_image_processor, tiny_qwen2_5_vl
+from fastddrive.model_files import load_model, tiny_image_processor, tiny_qwen2_5_vl
 from fastddrive.scaffold import Scaffold
 from fastddrive.schema import SECTIONS
 from fastddrive.tokenizer import MissingDiffusionTokens, corpus_texts, train_tokenizer
@@ -55,7 +55,7 @@ def _fixed_batch_loss(model, config, data, seed=0):
 def _loss_falls(config, data):
     before = _fixed_batch_loss(initial_model(config), config, data)
     report = train(config)
-    after = _fixed_batch_loss(BlockDiffusionModel.from_pretrained(report.final, training=True), config, data)
+    after = _fixed_batch_loss(load_model(report.final, training=True), config, data)
     assert after < before, (before, after)
     return report
 
@@ -63,12 +63,12 @@ def _loss_falls(config, data):
 def test_two_steps_of_tiny_ar_then_tiny_sasd_reduce_the_loss(data, tmp_path):
     ar = load_config("tiny-ar", data=data, out=str(tmp_path / "ar"), steps=2, architecture=SMALL, **QUICK)
     ar_report = _loss_falls(ar, data)
-    assert BlockDiffusionModel.from_pretrained(ar_report.final).info.kind == "autoregressive"
+    assert load_model(ar_report.final).info.kind == "autoregressive"
     sasd = load_config(
         "tiny-sasd", data=data, out=str(tmp_path / "sasd"), steps=2, init_from=str(ar_report.final), **QUICK
     )
     report = _loss_falls(sasd, data)
-    loaded = BlockDiffusionModel.from_pretrained(report.final)
+    loaded = load_model(report.final)
     assert loaded.info.kind == "block-diffusion" and loaded.info.mask_token_id is not None
 
     from typer.testing import CliRunner
@@ -102,7 +102,7 @@ def _real_like_checkpoint(path, data):
 def test_the_3b_recipe_runs_two_steps_on_a_shrunk_random_model(data, tmp_path, capsys):
     base = _real_like_checkpoint(tmp_path / "qwen-like", data)
     with pytest.raises(MissingDiffusionTokens, match="never trained for block diffusion|no \\|<MASK>\\|"):
-        BlockDiffusionModel.from_pretrained(base)
+        load_model(base)
     config = load_config(
         "qwen2.5-vl-3b-sasd",
         data=data,
@@ -114,12 +114,12 @@ def test_the_3b_recipe_runs_two_steps_on_a_shrunk_random_model(data, tmp_path, c
     assert config.dtype == "bfloat16" and config.lr == 1e-5 and config.block_size == 32
     report = _loss_falls(config, data)
     assert "resizing embeddings" in capsys.readouterr().out
-    tuned = BlockDiffusionModel.from_pretrained(report.final)
+    tuned = load_model(report.final)
     assert tuned.core.get_input_embeddings().num_embeddings == len(tuned.tokenizer)
 
 
 def _params(path):
-    model = BlockDiffusionModel.from_pretrained(path, training=True)
+    model = load_model(path, training=True)
     return {k: v.clone() for k, v in model.core.state_dict().items()}
 
 
@@ -283,3 +283,28 @@ def test_accelerate_launch_with_two_cpu_processes(data, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
     assert [p.name for p in list_checkpoints(tmp_path / "out")] == ["checkpoint-000002"]
+
+
+def test_each_section_is_masked_at_the_rate_of_its_own_beta_noise():
+    """Paper 000 section 3.2: section s is masked at t ~ Beta(a_s, b_s). The masked share of each section,
+    averaged over many batches, is the mean a / (a + b) of that section's own Beta; swapping two
+    sections' (a, b) moves at least two of these means by 0.1 or more."""
+    from model_fixtures import text_model
+
+    model = text_model()
+    config = load_config("tiny-sasd", block_size=32)
+    scaffold = Scaffold(model.tokenizer)
+    collator = DualStreamCollator(model, scaffold, config)
+    example = collator.example(synthetic_sample(0))
+    starts = [b.start for b in scaffold.blocks(32)]
+    rng = np.random.default_rng(7)
+    shares = {name: [] for name in SECTIONS}
+    for _ in range(600):
+        masked = (collator([example], 32, rng).noisy_ids[0, 0] == scaffold.mask_id).numpy()
+        for k, name in enumerate(SECTIONS):
+            maskable = scaffold.is_value & (scaffold.section_index == k)
+            maskable[starts] = False
+            shares[name].append(masked[maskable].mean())
+    for name in SECTIONS:
+        a, b = config.section_noise[name]
+        assert abs(np.mean(shares[name]) - a / (a + b)) < 0.04, (name, np.mean(shares[name]), a / (a + b))

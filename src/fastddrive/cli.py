@@ -540,7 +540,8 @@ def bench_command(
         planner = fastddrive.load(model, device=device)
         runs = [DecoderRun(spec, name, options, planner) for spec, (name, options) in zip(specs, parsed, strict=True)]
         if baseline:
-            runs.insert(0, DecoderRun(f"ar ({baseline}, free JSON)", "ar", {}, fastddrive.load(baseline, device)))
+            free = DecoderRun(f"ar ({baseline}, free JSON)", "ar", {}, fastddrive.load(baseline, device), baseline=True)
+            runs.insert(0, free)
         chosen = _bench_scenes(data, split, seed, (samples if data else scenes) + 1)
     rows, _ = _run_bench(runs, chosen, f"{model}: {len(chosen) - 1} scenes, medians ({device})")
     if json_out is not None:
@@ -562,7 +563,8 @@ def _run_bench(runs: list, scenes: list, title: str) -> tuple[list, dict]:
         results = run_decoders(runs, scenes, warmup=1, on_result=lambda: progress.update(task, advance=1))
     rows = summarise(runs, scenes[1:], results)
     table = Table(title=title)
-    columns = ("decoder", "NFE", "tok/NFE", "tok/s", "ms", "p90 ms", "prefill", "decode", "speed-up", "ADE@5s")
+    columns = ("decoder", "NFE", "tok/NFE", "tok/s", "ms", "p90 ms", "prefill", "decode", "vs ar", "vs ar-jump")
+    columns = (*columns, "vs AR model", "ADE@5s")
     for column in (*columns, "invalid", "same ids as ar"):
         table.add_column(column, justify="left" if column == "decoder" else "right")
     for row in rows:
@@ -575,7 +577,10 @@ def _run_bench(runs: list, scenes: list, title: str) -> tuple[list, dict]:
             f"{row.p90_latency_ms:.1f}",
             f"{row.prefill_ms:.1f}",
             f"{row.decode_ms:.1f}",
-            "" if row.speedup_vs_ar is None else f"{row.speedup_vs_ar:.2f}x",
+            *(
+                "" if x is None else f"{x:.2f}x"
+                for x in (row.speedup_vs_ar, row.speedup_vs_ar_jump, row.speedup_vs_baseline)
+            ),
             "" if row.ade5 is None else f"{row.ade5:.3f}",
             str(row.invalid),
             "" if row.identical_to_ar is None else f"{row.identical_to_ar:.0%}",
@@ -611,7 +616,7 @@ def demo_command(
     seed: Annotated[int, typer.Option(help="Seed of the fresh scenes.")] = 2026,
     model: Annotated[str, typer.Option(help="'default' or a local block-diffusion model folder.")] = "default",
 ) -> None:
-    """The tour: fresh simulator scenes planned by ar, sd, ss and tts; a table, an answer, and pictures."""
+    """The tour: fresh simulator scenes planned by ar, ar-jump, sd, ss and tts; a table, an answer, pictures."""
     import fastddrive
     from fastddrive.eval.bench import DecoderRun
     from fastddrive.eval.plots import draw_frontier, draw_scene
@@ -620,7 +625,7 @@ def demo_command(
         console.print(f"simulating {scenes + 1} fresh scenes (seed {seed}) and loading {model} ...")
         chosen = _bench_scenes(None, "test", seed, scenes + 1)
         planner = fastddrive.load(model)
-    runs = [DecoderRun(name, name, {}, planner) for name in ("ar", "sd", "ss", "tts")]
+    runs = [DecoderRun(name, name, {}, planner) for name in ("ar", "ar-jump", "sd", "ss", "tts")]
     rows, results = _run_bench(runs, chosen, f"{model} on {scenes} fresh scenes, medians (CPU)")
     timed = chosen[1:]
     first = results["ss"][0]

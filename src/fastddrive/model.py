@@ -1,47 +1,43 @@
 """BlockDiffusionModel: one set of weights, a causal (AR) mode and a block-bidirectional (MDM) mode.
 
 Paper 002 section 3 (Fast-dVLM), DESIGN section 5. The wrapper only runs forwards: `prefill` a prompt,
-`draft` a block with bidirectional attention inside it and the cached prefix visible (the cache is not
-written), `verify` tokens causally (the cache is written), and the training-time dual-stream forward
-`[noisy streams ; clean sequence]`. Token shift: the logits at position i predict the token at i + 1 in
-both modes. Attention masks are float masks (0 or the dtype's minimum, never -inf), and Qwen2.5-VL's
-mRoPE positions and image tokens are handled here and nowhere else. It knows nothing about JSON.
+`forward` new tokens after the cached prefix under an attention pattern (`verify`: causal, the cache
+keeps them; `draft`: a bidirectional block, the cache does not), and the training-time dual-stream
+forward `[noisy streams ; clean sequence]`. Token shift: the logits at position i predict the token at
+i + 1 in both modes. It knows nothing about JSON.
+
+Decode forwards run the transformers model's own weights through a short loop written here, as
+gpt-fast does: embeddings, then per layer RMSNorm, q/k/v, RoPE, the in-place cache write, SDPA, MLP;
+then the head. That keeps Python and allocation overhead to a few tensor ops per layer, lets the
+cache be preallocated (`kv_cache.KVCache`) and hands SDPA no mask where its own causal or full
+attention is exact (`masks.DecodeMasks`). Training and the no-cache full-sequence forward use the
+transformers forward itself; a test keeps the two equal.
 """
 
 from __future__ import annotations
 
-import copy
-import json
-import os
-import shutil
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
 from transformers import (
-    DynamicCache,
     PreTrainedModel,
     PreTrainedTokenizerBase,
-    Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
-    Qwen2ForCausalLM,
     Qwen2VLImageProcessorPil,
 )
 
-from fastddrive.tokenizer import (
-    DiffusionTokenIds,
-    MissingDiffusionTokens,
-    add_diffusion_tokens,
-    diffusion_token_ids,
-    load_tokenizer,
-)
+from fastddrive.kv_cache import KVCache
+from fastddrive.masks import CAUSAL, FULL, DecodeMasks, additive_mask, block_mask, dual_stream_mask
 
-INFO_FILE = "fastddrive.json"
 IMAGE_TOKEN = "<|image_pad|>"
+RESPONSE_ROOM = 512  # cache positions reserved after the prompt at prefill (more are added when needed)
+
+Pattern = torch.Tensor | str  # masks.CAUSAL, masks.FULL or an (n, n) boolean tensor
 
 
 @dataclass
@@ -65,89 +61,87 @@ class PromptInputs:
     image_grid_thw: torch.Tensor | None = None
 
 
-@dataclass
-class KVCache:
-    """The explicit decoding state: transformers' cache, its length, and the mRoPE offset of text.
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's weights as the decode forward reads them: q/k/v and gate/up concatenated, so
+    each is one matrix product (a copy: the transformers parameters stay as they are)."""
 
-    Text after the images of a Qwen2.5-VL prompt sits at position index + `rope_delta`.
-    """
-
-    cache: DynamicCache
-    length: int
-    rope_delta: int = 0
-
-    def crop(self, length: int) -> None:
-        """Keep the first `length` positions, as if the later ones had never been fed."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
-        if length < self.length:
-            self.cache.crop(length - self.length)  # transformers 5: crop(-k) drops the last k tokens
-        self.length = length
-
-    def fork(self, k: int) -> list[KVCache]:
-        """k independent copies (for rollouts that share this prefix)."""
-        return [KVCache(copy.deepcopy(self.cache), self.length, self.rope_delta) for _ in range(k)]
-
-    def keep(self, start: int, indices: Sequence[int]) -> None:
-        """Keep the first `start` positions and, of the ones after them, those at `indices` (in order).
-
-        Used after a tree-shaped forward (paper 002 Algorithm 2), whose kept tokens are not contiguous.
-        """
-        if not 0 <= start <= self.length or any(not 0 <= i < self.length - start for i in indices):
-            raise ValueError(f"cannot keep {list(indices)} after {start} of {self.length} positions")
-        for layer in self.cache.layers:
-            index = torch.cat([torch.arange(start), start + torch.as_tensor(list(indices), dtype=torch.long)])
-            index = index.to(layer.keys.device)
-            layer.keys = layer.keys.index_select(-2, index)
-            layer.values = layer.values.index_select(-2, index)
-        self.length = start + len(indices)
+    attention_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor
+    out: torch.Tensor
+    mlp_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    act: Callable[[torch.Tensor], torch.Tensor]
 
 
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Boolean (B, Q, K) -> float (B, 1, Q, K): 0 where allowed, the dtype's minimum elsewhere."""
-    blocked = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    blocked.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return blocked[:, None]
+@dataclass(frozen=True)
+class DecodeWeights:
+    """The text decoder's weights for the decode forward, with the parameter versions they were read at."""
+
+    layers: tuple[LayerWeights, ...]
+    embed: torch.Tensor
+    final_norm: torch.Tensor
+    head: torch.Tensor
+    eps: float
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    version: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, text_model: torch.nn.Module, lm_head: torch.nn.Module, version: tuple) -> DecodeWeights:
+        layers = []
+        for layer in text_model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+            layers.append(
+                LayerWeights(
+                    attention_norm=_doubled(layer.input_layernorm.weight),
+                    qkv=torch.cat([p.weight.detach() for p in projections]),
+                    qkv_bias=torch.cat([p.bias.detach() for p in projections]),
+                    out=attention.o_proj.weight.detach(),
+                    mlp_norm=_doubled(layer.post_attention_layernorm.weight),
+                    gate_up=torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]),
+                    down=mlp.down_proj.weight.detach(),
+                    act=mlp.act_fn,
+                )
+            )
+        first = text_model.layers[0].self_attn
+        config = text_model.config
+        return cls(
+            layers=tuple(layers),
+            embed=text_model.embed_tokens.weight.detach(),
+            final_norm=_doubled(text_model.norm.weight),
+            head=lm_head.weight.detach(),
+            eps=text_model.norm.variance_epsilon,
+            heads=config.num_attention_heads,
+            kv_heads=config.num_key_value_heads,
+            head_dim=first.head_dim,
+            scaling=first.scaling,
+            version=version,
+        )
+
+    def norm(self, x: torch.Tensor, doubled: torch.Tensor) -> torch.Tensor:
+        """RMSNorm with weight w, given [w, w]. On the CPU as the LayerNorm of [x, -x] (zero mean, variance
+        mean(x^2)): torch's CPU RMSNorm is several kernels (measured 34 against 16 us per call on the
+        2-core machine)."""
+        size = x.shape[-1]
+        if x.device.type != "cpu":
+            return F.rms_norm(x, (size,), doubled[:size], self.eps)
+        return F.layer_norm(torch.cat([x, -x], dim=-1), (2 * size,), doubled, None, self.eps)[..., :size]
 
 
-def block_mask(n: int, causal_head: int = 0) -> torch.Tensor:
-    """Allowed attention (n, n) among n new tokens: the first `causal_head` causal (committed tokens), the
-    rest one bidirectional block that also sees them. causal_head = n is plain causal attention."""
-    allowed = torch.ones(n, n, dtype=torch.bool)
-    allowed[:causal_head] = allowed[:causal_head].tril()
-    return allowed
+def _doubled(weight: torch.Tensor) -> torch.Tensor:
+    return torch.cat([weight.detach(), weight.detach()])
 
 
-def dual_stream_mask(
-    clean_lengths: torch.Tensor, response_start: torch.Tensor, block_start: torch.Tensor
-) -> torch.Tensor:
-    """Allowed-attention (B, L, L) for `[noisy stream 1 ; ... ; noisy stream k ; clean]` (paper 002 Fig. 3).
-
-    clean_lengths (B,): real clean tokens; response_start (B,): clean index of the first response
-    token; block_start (B, k, R): for noisy stream r at response offset i, the response offset where its
-    block starts (-1 for padding). N2N: a noisy token sees its own block in its own stream; N2C: it sees
-    clean tokens strictly before its block; C2C: clean tokens are causal. Padding sees only itself.
-    """
-    batch, k, r = block_start.shape
-    lc, ln = int(clean_lengths.max()), k * r
-    clean_index = torch.arange(lc)
-    real_clean = clean_index[None, :] < clean_lengths[:, None]  # (B, Lc)
-    starts = block_start.reshape(batch, ln)
-    valid = starts >= 0
-    stream = torch.arange(k).repeat_interleave(r)
-    allowed = torch.zeros(batch, ln + lc, ln + lc, dtype=torch.bool)
-    allowed[:, :ln, :ln] = (
-        (stream[:, None] == stream[None, :])[None]
-        & (starts[:, :, None] == starts[:, None, :])
-        & valid[:, :, None]
-        & valid[:, None, :]
-    )
-    block_begins = (response_start[:, None] + starts)[:, :, None]  # clean index where each noisy block starts
-    allowed[:, :ln, ln:] = (clean_index[None, None, :] < block_begins) & valid[:, :, None] & real_clean[:, None, :]
-    causal = clean_index[:, None] >= clean_index[None, :]
-    allowed[:, ln:, ln:] = causal[None] & real_clean[:, None, :] & real_clean[:, :, None]
-    allowed |= torch.eye(ln + lc, dtype=torch.bool)[None]  # padding rows must not be empty
-    return allowed
+def _sign_folded(sin: torch.Tensor) -> torch.Tensor:
+    """sin with the first half negated: rotate_half(x) * sin == roll(x, half) * sin'."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
 
 class BlockDiffusionModel:
@@ -166,80 +160,20 @@ class BlockDiffusionModel:
         self.info = info or CheckpointInfo()
         self.is_vision = isinstance(model, Qwen2_5_VLForConditionalGeneration)
         self.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) if self.is_vision else None
-
-    # ----------------------------------------------------------------- loading and saving
-    @classmethod
-    def from_pretrained(
-        cls,
-        path: str | Path,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype | None = None,
-        training: bool = False,
-    ) -> BlockDiffusionModel:
-        """Load from a local folder (never the network).
-
-        For training, |<MASK>| and <|NULL|> are added if the checkpoint lacks them (embeddings are
-        resized); for inference a checkpoint without them is refused.
-        """
-        path = Path(path)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} is not a model folder: config.json is missing")
-        tokenizer = load_tokenizer(path)
-        info = _read_info(path)
-        config = json.loads((path / "config.json").read_text())
-        model_class = (
-            Qwen2_5_VLForConditionalGeneration if config.get("model_type") == "qwen2_5_vl" else Qwen2ForCausalLM
-        )
-        model = model_class.from_pretrained(str(path), dtype=dtype or torch.float32, local_files_only=True)
-        image_processor = None
-        if model_class is Qwen2_5_VLForConditionalGeneration:
-            image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(path), local_files_only=True)
-        wrapper = cls(model.to(device), tokenizer, image_processor, info)
-        if training:
-            wrapper.ensure_diffusion_tokens()
-        elif info.kind == "block-diffusion":
-            ids = diffusion_token_ids(tokenizer)
-            if info.mask_token_id is None:
-                raise MissingDiffusionTokens(
-                    f"{path} was never trained for block diffusion ({INFO_FILE} is missing); "
-                    "train it with `fastddrive train` first"
-                )
-            if (ids.mask_id, ids.null_id) != (info.mask_token_id, info.null_token_id):
-                raise MissingDiffusionTokens(f"{path}: tokenizer and {INFO_FILE} disagree on the mask/NULL ids")
-        model.eval()
-        return wrapper
-
-    def ensure_diffusion_tokens(self) -> DiffusionTokenIds:
-        """Add |<MASK>| and <|NULL|> if missing, resizing the embeddings (and saying so)."""
-        ids = add_diffusion_tokens(self.tokenizer)
-        if len(self.tokenizer) > self.core.get_input_embeddings().num_embeddings:
-            print(f"added {', '.join(ids.added)} to the tokenizer; resizing embeddings to {len(self.tokenizer)}")
-            self.core.resize_token_embeddings(len(self.tokenizer))
-        self.info.mask_token_id, self.info.null_token_id = ids.mask_id, ids.null_id
-        return ids
-
-    def save_pretrained(self, path: str | Path) -> None:
-        """Write safetensors weights, config, tokenizer, image processor and fastddrive.json atomically."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.core.save_pretrained(str(tmp))
-        self.tokenizer.save_pretrained(str(tmp))
-        if self.image_processor is not None:
-            self.image_processor.save_pretrained(str(tmp))
-        (tmp / INFO_FILE).write_text(json.dumps(asdict(self.info), indent=2))
-        if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, path)
+        self.forward_hooks: list[Callable[[], None]] = []  # called after every forward (NFE counting)
+        self._masks: DecodeMasks | None = None
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._decode_weights: DecodeWeights | None = None
 
     @property
     def core(self) -> PreTrainedModel:
         """The transformers model itself, unwrapped from any distributed wrapper."""
         return getattr(self.model, "module", self.model)
+
+    @property
+    def text_model(self) -> torch.nn.Module:
+        """The decoder stack (embeddings, layers, final norm, rotary embedding) without the head."""
+        return self.core.model.language_model if self.is_vision else self.core.model
 
     @property
     def device(self) -> torch.device:
@@ -248,6 +182,10 @@ class BlockDiffusionModel:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    def on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every tensor the model reads passes through here, onto the model's device."""
+        return tensor.to(self.device, non_blocking=True)
 
     # ----------------------------------------------------------------- prompts and positions
     def encode_prompt(self, text: str, images: Sequence[np.ndarray] = ()) -> PromptInputs:
@@ -282,67 +220,160 @@ class BlockDiffusionModel:
         positions, deltas = self.core.model.get_rope_index(input_ids, mm_token_type_ids=token_type, image_grid_thw=grid)
         return positions, deltas.reshape(-1)
 
-    # ----------------------------------------------------------------- decoding operations
-    @torch.no_grad()
-    def prefill(self, prompt: PromptInputs) -> tuple[torch.Tensor, KVCache]:
-        """Run the prompt causally; return the logits of its last position (V,) and the cache."""
-        ids = prompt.input_ids.to(self.device)
-        positions, deltas = self._rope_positions(prompt.input_ids, prompt.image_grid_thw)
-        cache = DynamicCache(config=self.core.config)
-        n = ids.shape[1]
-        kwargs = {}
-        if prompt.pixel_values is not None:
-            kwargs = {"pixel_values": prompt.pixel_values.to(self.device), "image_grid_thw": prompt.image_grid_thw}
-        out = self.model(
-            input_ids=ids,
-            position_ids=positions.to(self.device),
-            attention_mask=additive_mask(block_mask(n, causal_head=n)[None], self.dtype).to(self.device),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-            **kwargs,
-        )
-        return out.logits[0, -1], KVCache(cache, n, int(deltas[0]))
+    def _vision_kwargs(self, prompt: PromptInputs) -> dict[str, torch.Tensor]:
+        if prompt.pixel_values is None:
+            return {}
+        return {
+            "pixel_values": self.on_device(prompt.pixel_values),
+            "image_grid_thw": self.on_device(prompt.image_grid_thw),
+        }
+
+    # ----------------------------------------------------------------- the decode forward
+    def _refresh_weights(self) -> DecodeWeights:
+        """The decode forward's view of the weights, rebuilt (at each prefill) when a parameter was changed
+        or replaced since it was made, as training does between validations."""
+        version = tuple((p.data_ptr(), p._version) for p in self.text_model.parameters())
+        if self._decode_weights is None or self._decode_weights.version != version:
+            self._decode_weights = DecodeWeights.of(self.text_model, self.core.lm_head, version)
+        return self._decode_weights
+
+    def _rope(self, first: int, last: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin (T, 1, head_dim) of text positions: [first, last) when `positions` is
+        None, else `positions` (T,) within it. Rows of a table made once by the model's own rotary
+        embedding (text positions are equal on mRoPE's three axes)."""
+        if self._rope_table is None or self._rope_table[0].shape[0] < last:
+            size = max(last, 2 * RESPONSE_ROOM, 2 * (self._rope_table[0].shape[0] if self._rope_table else 0))
+            table = torch.arange(size, device=self.device)[None]
+            probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+            cos, sin = self.text_model.rotary_emb(probe, table.expand(3, 1, -1) if self.is_vision else table)
+            self._rope_table = (cos[0][:, None], _sign_folded(sin[0])[:, None])
+        cos, sin = self._rope_table
+        if positions is None:
+            return cos[first:last], sin[first:last]
+        return cos[positions], sin[positions]
+
+    def _layers(
+        self,
+        hidden: torch.Tensor,
+        rows: int,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache,
+        mask: Any,
+        is_causal: bool,
+    ) -> torch.Tensor:
+        """The decoder layers over the new tokens' hidden states (rows * n, H), writing their keys and values
+        into `cache`. RoPE as x cos + roll(x) sin' with the rotate-half sign folded into sin'."""
+        weights = self._decode_weights
+        cos, sin = rope
+        tokens = hidden.shape[0]
+        n = tokens // rows
+        heads, kv_heads, dim = weights.heads, weights.kv_heads, weights.head_dim
+        for i, layer in enumerate(weights.layers):
+            qkv = F.linear(weights.norm(hidden, layer.attention_norm), layer.qkv, layer.qkv_bias)
+            qkv = qkv.view(tokens, heads + 2 * kv_heads, dim)
+            qk = qkv[:, : heads + kv_heads]
+            qk = torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin)
+            q = qk[:, :heads].view(rows, n, heads, dim).transpose(1, 2)
+            k = qk[:, heads:].view(rows, n, kv_heads, dim).transpose(1, 2)
+            v = qkv[:, heads + kv_heads :].view(rows, n, kv_heads, dim).transpose(1, 2)
+            keys, values = cache.write(i, k, v)
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, is_causal=is_causal, scale=weights.scaling, enable_gqa=True
+            )
+            hidden = torch.addmm(hidden, out.transpose(1, 2).reshape(tokens, heads * dim), layer.out.t())
+            gate, up = F.linear(weights.norm(hidden, layer.mlp_norm), layer.gate_up).chunk(2, dim=-1)
+            hidden = torch.addmm(hidden, layer.act(gate) * up, layer.down.t())
+        return hidden
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights = self._decode_weights
+        return F.linear(weights.norm(hidden, weights.final_norm), weights.head)
+
+    def _forwarded(self) -> None:
+        for hook in self.forward_hooks:
+            hook()
 
     @torch.no_grad()
+    def prefill(self, prompt: PromptInputs, room: int = RESPONSE_ROOM) -> tuple[torch.Tensor, KVCache]:
+        """Run the prompt causally; return the logits of its last position (V,) and a cache holding it, with
+        `room` more positions preallocated."""
+        self._refresh_weights()
+        ids = self.on_device(prompt.input_ids)
+        positions, deltas = self._rope_positions(prompt.input_ids, prompt.image_grid_thw)
+        embeds = self.text_model.embed_tokens(ids)
+        if prompt.pixel_values is not None:
+            vision = self._vision_kwargs(prompt)
+            features = self.core.model.get_image_features(vision["pixel_values"], vision["image_grid_thw"])
+            image = torch.cat(list(features.pooler_output)).to(embeds.dtype)
+            embeds = embeds.masked_scatter((ids == self.image_token_id)[..., None], image)
+        config = self.text_model.config
+        n = ids.shape[1]
+        cache = KVCache(
+            config.num_hidden_layers,
+            config.num_key_value_heads,
+            self.text_model.layers[0].self_attn.head_dim,
+            n + room,
+            self.dtype,
+            self.device,
+            rope_delta=int(deltas[0]),
+        )
+        cos, sin = self.text_model.rotary_emb(embeds, self.on_device(positions))
+        rope = (cos[0][:, None], _sign_folded(sin[0])[:, None])
+        hidden = self._layers(embeds[0], 1, rope, cache, None, is_causal=True)
+        cache.advance(n)
+        self._forwarded()
+        return self._head(hidden[-1:])[0], cache
+
+    @torch.no_grad()
+    def forward(
+        self,
+        cache: KVCache,
+        ids: torch.Tensor | Sequence[int],
+        pattern: Pattern | Sequence[torch.Tensor] = CAUSAL,
+        offsets: torch.Tensor | None = None,
+        keep: int | Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Logits (rows, n, V) of n new tokens per cache row (ids (rows, n), or (n,) for one row) after each
+        row's cached prefix. Token j of row r sits at rotary position lengths[r] + offsets[.., j] (offsets
+        (n,) or (rows, n), default 0..n-1) and sees the row's whole prefix and the new tokens its pattern
+        allows (one for all rows, or one (n, n) tensor per row). The cache then holds the first `keep`
+        new tokens of each row (all by default; 0 for a draft, or one count per row)."""
+        ids = self.on_device(torch.as_tensor(ids, dtype=torch.long).reshape(cache.rows, -1))
+        n = ids.shape[1]
+        if self._masks is None:
+            self._masks = DecodeMasks(self.device)
+        mask, is_causal = self._masks.mask(cache.lengths, n, pattern)
+        cache.reserve(n)
+        lengths = cache.lengths
+        if offsets is None and cache.rows == 1:
+            first = lengths[0] + cache.rope_delta
+            rope = self._rope(first, first + n, None)
+        else:
+            steps = torch.arange(n) if offsets is None else torch.as_tensor(offsets)
+            positions = (torch.tensor(lengths) + cache.rope_delta)[:, None] + steps
+            rope = self._rope(0, int(positions.max()) + 1, self.on_device(positions.reshape(-1)))
+        hidden = self._layers(
+            F.embedding(ids.reshape(-1), self._decode_weights.embed), cache.rows, rope, cache, mask, is_causal
+        )
+        cache.advance(n if keep is None else keep)
+        self._forwarded()
+        return self._head(hidden).view(cache.rows, n, -1)
+
+    def verify(self, cache: KVCache, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """AR head: causal logits (n, V) of `ids` after the cached prefix; the cache now holds them too."""
+        return self.forward(cache, ids, CAUSAL)[0]
+
     def draft(self, cache: KVCache, ids: torch.Tensor | Sequence[int], causal_head: int = 0) -> torch.Tensor:
         """MDM head: logits (n, V) of a block seen bidirectionally with the cached prefix; cache unchanged.
 
         The first `causal_head` ids are committed tokens not yet in the cache: they stay causal, as the
         clean context of training does, and the block after them sees them.
         """
-        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
-        logits = self.tree(cache, ids, torch.arange(len(ids)), block_mask(len(ids), causal_head))
-        cache.crop(cache.length - len(logits))
-        return logits
+        n = len(ids)
+        pattern = block_mask(n, causal_head) if causal_head else FULL
+        return self.forward(cache, ids, pattern, keep=0)[0]
 
-    @torch.no_grad()
-    def verify(self, cache: KVCache, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        """AR head: causal logits (n, V) of `ids` after the cached prefix; the cache now holds them too."""
-        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
-        return self.tree(cache, ids, torch.arange(len(ids)), block_mask(len(ids), causal_head=len(ids)))
-
-    @torch.no_grad()
-    def tree(
-        self, cache: KVCache, ids: torch.Tensor | Sequence[int], offsets: torch.Tensor, allowed: torch.Tensor
-    ) -> torch.Tensor:
-        """Logits (n, V) of n new tokens after the cached prefix, each at position prefix + offsets[i],
-        token i seeing every cached position and the new tokens j with allowed[i, j]. The cache now
-        holds all n (see `KVCache.keep` to drop some). `draft` and `verify` are its two plain cases."""
-        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(1, -1)
-        n = ids.shape[1]
-        full = torch.cat([torch.ones(n, cache.length, dtype=torch.bool), allowed.to(torch.bool)], dim=1)
-        positions = cache.length + cache.rope_delta + torch.as_tensor(offsets, device=self.device)[None]
-        out = self.model(
-            input_ids=ids,
-            position_ids=positions.expand(3, 1, n) if self.is_vision else positions,
-            attention_mask=additive_mask(full[None], self.dtype).to(self.device),
-            past_key_values=cache.cache,
-            use_cache=True,
-        )
-        cache.length += n
-        return out.logits[0]
-
+    # ----------------------------------------------------------------- forwards without the decode cache
     @torch.no_grad()
     def full_sequence_logits(self, prompt: PromptInputs, canvas: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """One forward of [prompt ; canvas] that reuses no cache: the prompt causal, the canvas bidirectional
@@ -353,20 +384,17 @@ class BlockDiffusionModel:
         ids = torch.cat([prompt.input_ids, canvas], dim=1)
         positions, _ = self._rope_positions(ids, prompt.image_grid_thw)
         allowed = block_mask(p + n, causal_head=p)
-        kwargs = {}
-        if prompt.pixel_values is not None:
-            kwargs = {"pixel_values": prompt.pixel_values.to(self.device), "image_grid_thw": prompt.image_grid_thw}
         out = self.model(
-            input_ids=ids.to(self.device),
-            position_ids=positions.to(self.device),
-            attention_mask=additive_mask(allowed[None], self.dtype).to(self.device),
+            input_ids=self.on_device(ids),
+            position_ids=self.on_device(positions),
+            attention_mask=self.on_device(additive_mask(allowed[None], self.dtype)),
             use_cache=False,
             logits_to_keep=n + 1,
-            **kwargs,
+            **self._vision_kwargs(prompt),
         )
+        self._forwarded()
         return out.logits[0, :-1]
 
-    # ----------------------------------------------------------------- training forward
     def dual_stream_logits(
         self,
         clean_ids: torch.Tensor,
@@ -394,90 +422,12 @@ class BlockDiffusionModel:
             positions = torch.cat([torch.gather(clean_positions, 1, offsets).repeat(1, k), clean_positions], dim=1)
         input_ids = torch.cat([noisy_ids.reshape(batch, k * r), clean_ids], dim=1)
         mask = additive_mask(dual_stream_mask(clean_lengths, response_start, block_start), self.dtype)
-        kwargs = {}
-        if pixel_values is not None:
-            kwargs = {"pixel_values": pixel_values.to(self.device), "image_grid_thw": image_grid_thw}
+        vision = self._vision_kwargs(PromptInputs(input_ids, pixel_values, image_grid_thw))
         logits = self.model(
-            input_ids=input_ids.to(self.device),
-            position_ids=positions.to(self.device),
-            attention_mask=mask.to(self.device),
+            input_ids=self.on_device(input_ids),
+            position_ids=self.on_device(positions),
+            attention_mask=self.on_device(mask),
             use_cache=False,
-            **kwargs,
+            **vision,
         ).logits
         return logits[:, : k * r].reshape(batch, k, r, logits.shape[-1]), logits[:, k * r :]
-
-
-EMBEDDED_MODELS = {"default": "tiny-sasd", "default-ar": "tiny-ar"}
-
-
-def model_path(name: str) -> Path:
-    """'default' (the embedded tiny-sasd), 'default-ar' (the embedded tiny-ar), another folder under the
-    package's assets, or a local folder."""
-    from importlib.resources import files
-
-    assets = Path(str(files("fastddrive") / "assets"))
-    if name in EMBEDDED_MODELS:
-        return assets / EMBEDDED_MODELS[name]
-    return assets / name if (assets / name / "config.json").is_file() else Path(name)
-
-
-def _read_info(path: Path) -> CheckpointInfo:
-    file = path / INFO_FILE
-    if not file.is_file():
-        return CheckpointInfo(kind="block-diffusion")
-    return CheckpointInfo(**json.loads(file.read_text()))
-
-
-def tiny_qwen2_5_vl(
-    tokenizer: PreTrainedTokenizerBase,
-    hidden_size: int = 192,
-    layers: int = 4,
-    heads: int = 6,
-    kv_heads: int = 2,
-    intermediate_size: int = 512,
-    vision_hidden_size: int = 96,
-    vision_depth: int = 2,
-    vision_heads: int = 2,
-    seed: int = 0,
-) -> Qwen2_5_VLForConditionalGeneration:
-    """A randomly initialised Qwen2.5-VL with the real architecture at tiny sizes (for the embedded model)."""
-    head_dim = hidden_size // heads
-    quarter = head_dim // 2
-    section = [quarter - 2 * (quarter * 3 // 8), quarter * 3 // 8, quarter * 3 // 8]  # t, h, w as 16:24:24
-    vocab = tokenizer.get_vocab()
-    config = Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": len(tokenizer),
-            "hidden_size": hidden_size,
-            "intermediate_size": intermediate_size,
-            "num_hidden_layers": layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": kv_heads,
-            "max_position_embeddings": 4096,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section},
-            "bos_token_id": vocab["<|endoftext|>"],
-            "eos_token_id": vocab["<|im_end|>"],
-            "pad_token_id": vocab["<|endoftext|>"],
-        },
-        vision_config={
-            "depth": vision_depth,
-            "hidden_size": vision_hidden_size,
-            "intermediate_size": 2 * vision_hidden_size,
-            "num_heads": vision_heads,
-            "out_hidden_size": hidden_size,
-            "fullatt_block_indexes": [vision_depth - 1],
-            "window_size": 112,
-        },
-        image_token_id=vocab[IMAGE_TOKEN],
-        video_token_id=vocab[IMAGE_TOKEN],
-        vision_start_token_id=vocab["<|vision_start|>"],
-        vision_end_token_id=vocab["<|vision_end|>"],
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    return Qwen2_5_VLForConditionalGeneration(config)
-
-
-def tiny_image_processor(max_pixels: int = 224 * 112) -> Qwen2VLImageProcessorPil:
-    """Qwen2.5-VL's image processor limited to `max_pixels` (the tiny model sees 224 x 112)."""
-    return Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=max_pixels, patch_size=14, merge_size=2)

@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from fastddrive.data.sample import NAV_COMMANDS, DrivingSample, SampleError, check_command, check_history, check_image
 from fastddrive.decode.registry import decode
 from fastddrive.decode.result import DecodeResult
-from fastddrive.model import BlockDiffusionModel, PromptInputs, model_path
+from fastddrive.model import BlockDiffusionModel, PromptInputs
+from fastddrive.model_files import load_model, model_path
 from fastddrive.prompt import chat_text
 from fastddrive.scaffold import DEFAULT_EXPLANATION_BUDGET, Scaffold
 
@@ -106,7 +107,7 @@ class Planner:
 
 def load(name: str | Path = "default", device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Planner:
     """'default' (the embedded block-diffusion model), 'default-ar' (its AR baseline) or a local folder."""
-    return Planner(BlockDiffusionModel.from_pretrained(model_path(str(name)), device=device, dtype=dtype))
+    return Planner(load_model(model_path(str(name)), device=device, dtype=dtype))
 
 
 __all__ = ["NAV_COMMANDS", "PlanInputs", "Planner", "load", "prompt_inputs"]

@@ -16,7 +16,8 @@ def within_slots(logits: torch.Tensor, positions: Sequence[int], scaffold: Scaff
     Only MDM predictions are restricted: the AR head's (and so greedy `ar`, which the lossless decoders
     reproduce) stay as the model gives them.
     """
-    allowed = scaffold.allowed_mask(logits.shape[-1], logits.device)[list(positions)]
+    index = torch.as_tensor(positions, dtype=torch.long, device=logits.device)
+    allowed = scaffold.allowed_mask(logits.shape[-1], logits.device)[index]
     return logits.float().masked_fill(~allowed, float("-inf"))
 
 
@@ -30,8 +31,8 @@ def masked_rows(
     return masked, rows
 
 
-def confident_positions(logits: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """For masked rows (m, V): the rows to unmask and their argmax tokens.
+def confident_positions(logits: torch.Tensor, tau: float) -> list[tuple[int, int]]:
+    """For masked rows (m, V): (row, argmax token) of the rows to unmask, in one host transfer.
 
     A row is unmasked when its top probability exceeds `tau`; if none does, the single most confident
     one is (so tau = 1 unmasks one token per step and tau = 0 all of them at once).
@@ -40,6 +41,5 @@ def confident_positions(logits: torch.Tensor, tau: float) -> tuple[torch.Tensor,
         raise ValueError(f"tau must be in [0, 1], got {tau}")
     confidence, tokens = torch.softmax(logits.float(), dim=-1).max(dim=-1)
     chosen = confidence > tau
-    if not chosen.any():
-        chosen[confidence.argmax()] = True
-    return chosen.nonzero().flatten(), tokens
+    chosen[confidence.argmax()] = True  # at least one (the most confident is chosen whenever any is)
+    return [(row, token) for row, token in enumerate(torch.where(chosen, tokens, -1).tolist()) if token >= 0]

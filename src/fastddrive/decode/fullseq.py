@@ -21,8 +21,8 @@ def full_sequence_decode(
     steps = []
     while masked := [p for p, token in enumerate(ids) if token == scaffold.mask_id]:
         logits = model.full_sequence_logits(prompt, ids)
-        chosen, tokens = confident_positions(within_slots(logits[masked], masked, scaffold), tau)
-        for k in chosen.tolist():
-            ids[masked[k]] = int(tokens[k])
+        chosen = confident_positions(within_slots(logits[masked], masked, scaffold), tau)
+        for k, token in chosen:
+            ids[masked[k]] = token
         steps.append(len(chosen))
     return Decoded(ids, steps)

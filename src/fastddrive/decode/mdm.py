@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from fastddrive.decode.blocks import BlockOf, grid_blocks, section_blocks
 from fastddrive.decode.confidence import confident_positions, masked_rows
 from fastddrive.decode.result import Decoded
 from fastddrive.decode.state import Canvas, greedy
@@ -21,11 +22,13 @@ DEFAULT_TAU = 0.9
 
 @torch.no_grad()
 def diffusion_steps(
-    model: BlockDiffusionModel, canvas: Canvas, blocks: list[tuple[int, int]], scaffold_aware: bool, tau: float
+    model: BlockDiffusionModel, canvas: Canvas, block_of: BlockOf, scaffold_aware: bool, tau: float
 ) -> None:
-    """Decode `blocks` ([start, end) in order, covering the response) on `canvas`."""
+    """Decode the whole response on `canvas`, block after block."""
     mask_id, ids = canvas.scaffold.mask_id, canvas.ids
-    for start, end in blocks:
+    end = 0
+    while end < len(canvas):
+        start, end = block_of(end)
         if canvas.cached == canvas.committed:
             canvas.commit_seed(greedy)
         n, c = canvas.committed, canvas.cached
@@ -34,23 +37,16 @@ def diffusion_steps(
         while mask_id in proposal:
             logits = canvas.draft(model, start, proposal)
             masked, rows = masked_rows(proposal, logits, n - c - 1, n, canvas.scaffold)
-            chosen, tokens = confident_positions(rows, tau)
-            for k in chosen.tolist():
+            chosen = confident_positions(rows, tau)
+            for k, token in chosen:
                 i = masked[k]
-                proposal[i] = ids[n + i] if canvas.is_scaffold(n + i) else int(tokens[k])
+                proposal[i] = ids[n + i] if canvas.is_scaffold(n + i) else token
             canvas.accepted_per_step.append(len(chosen))
         ids[n:end] = proposal
         canvas.committed = end
         if drafted and end < len(canvas):  # scaffold-only blocks ride along with the next block's forward
             canvas.next_logits = model.verify(canvas.cache, ids[c:end])[-1]
             canvas.cached = end
-
-
-def grid_blocks(length: int, block_size: int) -> list[tuple[int, int]]:
-    """Fixed-size blocks over the response, ignoring sections."""
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    return [(s, min(s + block_size, length)) for s in range(0, length, block_size)]
 
 
 def mdm_decode(
@@ -78,6 +74,5 @@ def section_diffusion_decode(
 ) -> Decoded:
     """`sd` (paper 000 section 3.3): `mdm` over the scaffold's section-aligned blocks, only values masked."""
     canvas = Canvas.prefill(model, prompt, scaffold)
-    blocks = [(b.start, b.end) for b in scaffold.blocks(block_size)]
-    diffusion_steps(model, canvas, blocks, scaffold_aware=True, tau=tau)
+    diffusion_steps(model, canvas, section_blocks(scaffold, block_size), scaffold_aware=True, tau=tau)
     return Decoded(canvas.ids, canvas.accepted_per_step)

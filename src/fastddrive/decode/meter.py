@@ -9,30 +9,32 @@ from dataclasses import dataclass
 
 import torch
 
+from fastddrive.model import BlockDiffusionModel
+
 
 @dataclass
 class ForwardMeter:
-    """Counts forward calls of a module and times the first one (the prefill)."""
+    """Counts a model's forwards (every decode forward, prefill included) and times the first one."""
 
     calls: int = 0
     first_end: float | None = None
 
     @contextmanager
-    def watch(self, module: torch.nn.Module) -> Iterator[None]:
-        def after(*_: object) -> None:
+    def watch(self, model: BlockDiffusionModel) -> Iterator[None]:
+        def after() -> None:
             self.calls += 1
             if self.first_end is None:
-                synchronize(module)
+                synchronize(model.device)
                 self.first_end = time.perf_counter()
 
-        handle = module.register_forward_hook(after)
+        model.forward_hooks.append(after)
         try:
             yield
         finally:
-            handle.remove()
+            model.forward_hooks.remove(after)
 
 
-def synchronize(module: torch.nn.Module) -> None:
-    device = next(module.parameters()).device
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that wall time means finished work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

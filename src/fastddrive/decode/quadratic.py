@@ -51,10 +51,11 @@ def quadratic_speculative_decode(
     while canvas.committed < length:
         base = canvas.committed - 1  # position of d_0: committed, not yet cached
         groups = torch.tensor([[d] + [mask_id] * (b - 1) for d in draft]).reshape(-1)
-        logits = model.tree(canvas.cache, groups, offsets, allowed).reshape(b, b, -1)
+        logits = model.forward(canvas.cache, groups, allowed, offsets)[0].reshape(b, b, -1)
+        verified, proposals = _read_groups(logits, base, canvas)
         k = 1  # d_0 .. d_{k-1} accepted
         while base + k < length:
-            ids[base + k] = canvas.target(base + k, logits[k - 1, 0], greedy)
+            ids[base + k] = verified[k - 1]
             if k == b or draft[k] != ids[base + k]:
                 break  # the AR token at base + k is the bonus
             k += 1
@@ -64,7 +65,21 @@ def quadratic_speculative_decode(
         canvas.accepted_per_step.append(canvas.committed - 1 - base)
         start = base + k + 1  # the masks of group k - 1 propose positions start .. start + b - 2
         inside = max(0, min(b - 1, length - start))
-        proposal = within_slots(logits[k - 1, 1 : 1 + inside], range(start, start + inside), scaffold)
-        draft = [ids[base + k] if base + k < length else mask_id] + proposal.argmax(-1).tolist()
+        draft = [ids[base + k] if base + k < length else mask_id] + proposals[k - 1][:inside]
         draft += [mask_id] * (b - len(draft))
     return Decoded(ids, canvas.accepted_per_step)
+
+
+def _read_groups(logits: torch.Tensor, base: int, canvas: Canvas) -> tuple[list[int], list[list[int]]]:
+    """From the (B, B, V) logits of one step, in one host transfer: the AR tokens at base + 1 .. base + B
+    (group g's first token predicts base + g + 1) and each group's MDM proposal for the positions after
+    it (group g's mask j predicts base + g + 1 + j), kept inside the slots."""
+    b, length = logits.shape[0], len(canvas)
+    first = torch.arange(base + 1, base + 1 + b).clamp(max=length - 1)
+    after = (base + 2 + torch.arange(b)[:, None] + torch.arange(b - 1)[None]).clamp(max=length - 1)
+    proposed = within_slots(logits[:, 1:].reshape(b * (b - 1), -1), after.flatten(), canvas.scaffold).argmax(-1)
+    rows = torch.cat([greedy(logits[:, 0], first)[:, None], proposed.reshape(b, b - 1)], dim=1).tolist()
+    template = canvas.scaffold.template_ids
+    firsts = zip(first.tolist(), rows, strict=True)
+    verified = [int(template[p]) if canvas.is_scaffold(p) else row[0] for p, row in firsts]
+    return verified, [row[1:] for row in rows]

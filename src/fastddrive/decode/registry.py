@@ -12,7 +12,7 @@ import json
 import time
 from collections.abc import Callable
 
-from fastddrive.decode.ar import ar_decode
+from fastddrive.decode.ar import ar_decode, ar_jump_decode
 from fastddrive.decode.fullseq import full_sequence_decode
 from fastddrive.decode.mdm import mdm_decode, section_diffusion_decode
 from fastddrive.decode.meter import ForwardMeter, synchronize
@@ -28,6 +28,7 @@ DecoderFn = Callable[..., Decoded]
 
 DECODERS: dict[str, DecoderFn] = {
     "ar": ar_decode,
+    "ar-jump": ar_jump_decode,
     "fullseq": full_sequence_decode,
     "mdm": mdm_decode,
     "sd": section_diffusion_decode,
@@ -36,7 +37,7 @@ DECODERS: dict[str, DecoderFn] = {
     "ss": scaffold_speculative_decode,
     "tts": trajectory_rollouts_decode,
 }
-LOSSLESS = ("ss", "selfspec", "selfspec-quad")  # token-for-token equal to greedy `ar`
+LOSSLESS = ("ar-jump", "ss", "selfspec", "selfspec-quad")  # token-for-token equal to greedy `ar`
 
 
 class DecoderError(ValueError):
@@ -92,9 +93,9 @@ def decode(
         )
     meter = ForwardMeter()
     began = time.perf_counter()
-    with meter.watch(model.model):
+    with meter.watch(model):
         decoded = fn(model, prompt, scaffold, **options)
-    synchronize(model.model)
+    synchronize(model.device)
     ended = time.perf_counter()
     first_end = meter.first_end or ended
     text, response, error, tokens = _answer(model, scaffold, decoded)
@@ -126,8 +127,6 @@ def _answer(
     tokens = len(ids) if free else sum(t != scaffold.null_id for t in ids)
     try:
         response = parse(text) if free else scaffold.decode(ids)
-        if decoded.waypoints_m is not None:
-            response = DrivingResponse.model_validate(response.model_dump() | {"trajectory": decoded.waypoints_m})
     except (ResponseError, ValueError) as err:
         return text, None, str(err), tokens
     return text, response, None, tokens

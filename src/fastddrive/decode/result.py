@@ -15,7 +15,6 @@ class Decoded:
     token_ids: list[int]
     accepted_per_step: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
-    waypoints_m: list[list[float]] | None = None  # the answer's trajectory when not the ids' own (tts)
 
 
 @dataclass

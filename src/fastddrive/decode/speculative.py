@@ -2,120 +2,251 @@
 and Scaffold Speculative Decoding, the same loop over the frozen scaffold (paper 000 section 3.3).
 
 Both return exactly the ids of greedy `ar`: a value is committed only where it equals the AR head's
-argmax given the committed prefix, the first mismatch is replaced by that argmax (the bonus token), and
+token given the committed prefix, the first mismatch is replaced by that token (the bonus token), and
 the cache is cropped to what was accepted.
+
+A `Speculation` walks one canvas through the rounds: `next_feed` does every step that needs no forward
+(a seed token from the last verify, scaffold-only blocks) and says what the next forward must read,
+`receive` takes that forward's logits. A round is `draft` (the MDM head fills the block's masks),
+`verify` (one causal forward over the uncached head and the draft, optionally drafting the next block
+in the same forward) and `accept`. `run` drives one canvas; `run_rows` drives several canvases that
+share one batched cache with one forward per step for all of them (test-time scaling's rollouts).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
+from fastddrive.decode.blocks import BlockOf, section_blocks, sliding_window
 from fastddrive.decode.confidence import masked_rows
 from fastddrive.decode.result import Decoded
 from fastddrive.decode.state import Canvas, TokenPicker, greedy
-from fastddrive.model import BlockDiffusionModel, PromptInputs, block_mask
+from fastddrive.kv_cache import KVCache
+from fastddrive.masks import CAUSAL, FULL, block_mask
+from fastddrive.model import BlockDiffusionModel, PromptInputs
 from fastddrive.scaffold import DEFAULT_BLOCK_SIZE, Scaffold
 
-BlockOf = Callable[[int], tuple[int, int]]  # first uncommitted position -> [start, end) of its block
+
+@lru_cache(maxsize=256)
+def fused_layout(fed: int, tail: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Offsets and attention of a verify that also drafts the next block.
+
+    `fed` tokens are verified causally. The `tail` repeats the last fed token at its own position and
+    masks the next block after it, so that the drafted block starts with a known token, as every block
+    does in training (its first token is never masked): the tail sees the fed tokens before that last
+    one, and itself bidirectionally. Tail row j predicts the position after the last fed one + j.
+    """
+    offsets = torch.cat([torch.arange(fed), fed - 1 + torch.arange(tail)])
+    allowed = torch.zeros(fed + tail, fed + tail, dtype=torch.bool)
+    allowed[:fed, :fed] = block_mask(fed, fed)
+    allowed[fed:, : fed - 1] = True
+    allowed[fed:, fed:] = True
+    return offsets, allowed
 
 
-def section_blocks(scaffold: Scaffold, block_size: int) -> BlockOf:
-    """The section-aligned block holding a position (paper 000 section 3.2)."""
-    span = {}
-    for block in scaffold.blocks(block_size):
-        span |= dict.fromkeys(range(block.start, block.end), (block.start, block.end))
-    return span.__getitem__
+@dataclass
+class Feed:
+    """One forward a speculation asks for: tokens after its row's cached prefix, who sees whom, their
+    position offsets, and how many of them the cache keeps (a draft keeps none)."""
+
+    tokens: list[int]
+    pattern: torch.Tensor | str
+    offsets: torch.Tensor | None
+    keep: int
 
 
-def sliding_window(length: int, block_size: int) -> BlockOf:
-    """Algorithm 1's block: the last committed token and the next block_size - 1 positions."""
-    if block_size < 2:
-        raise ValueError(f"block_size must be >= 2, got {block_size}")
-    return lambda n: (n - 1, min(n - 1 + block_size, length))
+@dataclass
+class DraftStats:
+    """Drafted value positions and how many the verifier accepted: for drafts made by a forward of their
+    own, and for drafts made inside the previous verify (fused)."""
+
+    drafted: int = 0
+    accepted: int = 0
+    fused_drafts: int = 0
+    fused_drafted: int = 0
+    fused_accepted: int = 0
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "drafted_values": self.drafted,
+            "accepted_values": self.accepted,
+            "fused_drafts": self.fused_drafts,
+            "fused_drafted_values": self.fused_drafted,
+            "fused_accepted_values": self.fused_accepted,
+        }
 
 
-def _fill(proposal: list[int], logits: torch.Tensor, row_of_first: int, first: int, canvas: Canvas) -> None:
-    """Replace the masks of `proposal` (positions first, first + 1, ...) by the MDM head's greedy tokens."""
+class Speculation:
+    """Draft-verify-accept on one canvas until `until` positions are committed (all by default).
+
+    The draft is greedy; `pick` chooses the verifier's token (greedy, or sampled for test-time scaling:
+    accepting a draft only where it equals the sample keeps every token an exact AR sample). With
+    `fuse`, a verify also drafts the next block (`fused_layout`); when its block is accepted whole,
+    that draft is used and the next block's own draft forward is saved (the accepted tokens, and so the
+    ids, are the same either way).
+    """
+
+    def __init__(
+        self,
+        canvas: Canvas,
+        block_of: BlockOf,
+        scaffold_aware: bool,
+        pick: TokenPicker = greedy,
+        until: int | None = None,
+        fuse: bool = False,
+        drafted: tuple[int, list[int], bool] | None = None,
+    ) -> None:
+        self.canvas = canvas
+        self.block_of = block_of
+        self.scaffold_aware = scaffold_aware
+        self.pick = pick
+        self.until = len(canvas) if until is None else until
+        self.fuse = fuse
+        self.stats = DraftStats()
+        self.drafted = drafted  # (first position, draft, made by a verify) waiting for its round
+        self._round: tuple[str, int, int, list[int], list[int] | None] | None = None
+
+    def next_feed(self) -> Feed | None:
+        """Take every step that needs no forward; return the forward this canvas needs next, or None."""
+        canvas, mask_id = self.canvas, self.canvas.scaffold.mask_id
+        while canvas.committed < self.until:
+            if canvas.cached == canvas.committed:
+                canvas.commit_seed(self.pick)
+                continue
+            n = canvas.committed
+            start, end = self.block_of(n)
+            end = min(end, self.until)
+            proposal = canvas.blank(n, end, self.scaffold_aware)
+            if mask_id not in proposal:  # scaffold only: accepted with no forward
+                canvas.committed = end
+                continue
+            if self.drafted is not None and self.drafted[0] == n and len(self.drafted[1]) == end - n:
+                return self._verify_feed(end, self.drafted[1])
+            self.drafted = None
+            self._round = ("draft", n, end, proposal, None)
+            head = canvas.head()
+            causal_head = min(max(0, start - canvas.cached), len(head))
+            pattern = block_mask(len(head) + len(proposal), causal_head) if causal_head else FULL
+            return Feed(head + proposal, pattern, None, 0)
+        return None
+
+    def _verify_feed(self, end: int, proposal: list[int]) -> Feed:
+        canvas, mask_id = self.canvas, self.canvas.scaffold.mask_id
+        fed = canvas.head() + proposal
+        tail = None
+        if self.fuse and end < len(canvas):  # past `until` too: whoever continues the canvas can use it
+            tail = [proposal[-1]] + canvas.blank(end, self.block_of(end)[1], self.scaffold_aware)
+            tail = tail if mask_id in tail[2:] else None
+        self._round = ("verify", canvas.committed, end, proposal, tail)
+        if tail is None:
+            return Feed(fed, CAUSAL, None, len(fed))
+        offsets, allowed = fused_layout(len(fed), len(tail))
+        return Feed(fed + tail, allowed, offsets, len(fed))
+
+    def receive(self, logits: torch.Tensor) -> None:
+        """Take the logits (tokens fed, V) of the forward `next_feed` asked for."""
+        kind, first, end, proposal, tail = self._round
+        head = len(self.canvas.head())
+        if kind == "draft":
+            fill_masks(proposal, logits, head - 1, first, self.canvas)
+            self.drafted = (first, proposal, False)
+            return
+        fused = self.drafted is not None and self.drafted[2]
+        self.drafted = None
+        self.canvas.cached += head + len(proposal)  # the verify kept head and proposal
+        accepted = accept(self.canvas, proposal, logits, head, self.pick)
+        self._count(fused, first, proposal)
+        canvas = self.canvas
+        if canvas.cached == end and end < len(canvas):  # accepted whole: the bonus seeds the next block
+            if end < self.until:
+                canvas.commit_seed(self.pick)
+                accepted += 1
+            if tail is not None:  # tail row j predicts position end + j
+                following = tail[2:]
+                fill_masks(following, logits[head + len(proposal) :], 1, end + 1, canvas)
+                self.drafted = (end + 1, following, True)
+        canvas.accepted_per_step.append(accepted)
+
+    def _count(self, fused: bool, first: int, proposal: list[int]) -> None:
+        values = [first + i for i in range(len(proposal)) if not self.canvas.is_scaffold(first + i)]
+        agreed = sum(p < self.canvas.committed and self.canvas.ids[p] == proposal[p - first] for p in values)
+        if fused:
+            self.stats.fused_drafts += 1
+            self.stats.fused_drafted += len(values)
+            self.stats.fused_accepted += agreed
+        else:
+            self.stats.drafted += len(values)
+            self.stats.accepted += agreed
+
+
+def fill_masks(proposal: list[int], logits: torch.Tensor, row_of_first: int, first: int, canvas: Canvas) -> None:
+    """Replace the masks of `proposal` (positions first, first + 1, ...) by the MDM head's greedy tokens
+    (inside each slot's vocabulary); logits[row_of_first + i] predicts proposal[i]. One host transfer."""
     masked, rows = masked_rows(proposal, logits, row_of_first, first, canvas.scaffold)
     for i, token in zip(masked, rows.argmax(-1).tolist(), strict=True):
         proposal[i] = token
 
 
-@torch.no_grad()
-def speculative_steps(
-    model: BlockDiffusionModel,
-    canvas: Canvas,
-    block_of: BlockOf,
-    scaffold_aware: bool,
-    pick: TokenPicker = greedy,
-    until: int | None = None,
-    fuse: bool = False,
-) -> None:
-    """Draft-verify-accept on `canvas` until `until` positions are committed (all by default).
+def accept(canvas: Canvas, proposal: list[int], checked: torch.Tensor, head: int, pick: TokenPicker) -> int:
+    """Commit the verifier's tokens for `proposal` up to and including the first one that differs from
+    the draft (the bonus token) and crop the cache after the last agreeing one; returns how many were
+    committed. `checked` are the verify rows (row i predicts the token after fed token i) and `head` the
+    number of uncached tokens fed before the proposal."""
+    n = canvas.committed
+    targets = canvas.targets(n, checked[head - 1 : head - 1 + len(proposal)], pick)
+    for i, (drafted, target) in enumerate(zip(proposal, targets, strict=True)):
+        canvas.ids[n + i] = target
+        if target != drafted:
+            canvas.committed = n + i + 1
+            canvas.crop_to(n + i)
+            return i + 1
+    canvas.committed = n + len(proposal)
+    canvas.next_logits = checked[head - 1 + len(proposal)]
+    return len(proposal)
 
-    The draft is greedy; `pick` chooses the verifier's token (greedy, or sampled for test-time
-    scaling: accepting a draft only where it equals the sample keeps every token an exact AR sample).
-    With `fuse`, the verify forward also carries the next block, masked and bidirectional after the
-    causal part: when the block is accepted whole, that is the next block's draft and its own draft
-    forward is saved (the accepted tokens, and so the ids, are the same either way).
-    """
-    until = len(canvas) if until is None else until
-    mask_id, ids = canvas.scaffold.mask_id, canvas.ids
 
-    ready: tuple[int, int, list[int]] | None = None  # a draft [first, last) made by the previous verify
-    while canvas.committed < until:
-        if canvas.cached == canvas.committed:
-            canvas.commit_seed(pick)
-            continue
-        n, c = canvas.committed, canvas.cached
-        start, end = block_of(n)
-        end = min(end, until)
-        proposal = canvas.blank(n, end, scaffold_aware)
-        if mask_id not in proposal:  # scaffold only: accepted with no forward
-            canvas.committed = end
-            continue
-        head = ids[c:n]
-        if ready is not None and ready[:2] == (n, end):
-            proposal = ready[2]
-        else:
-            _fill(proposal, canvas.draft(model, start, proposal), len(head) - 1, n, canvas)
-        ready = None
-        fed = head + proposal
-        following = block_of(end) if fuse and end < until else None
-        tail = canvas.blank(end, min(following[1], until), scaffold_aware) if following else []
-        if mask_id in tail[1:]:
-            logits = model.tree(
-                canvas.cache,
-                fed + tail,
-                torch.arange(len(fed) + len(tail)),
-                block_mask(len(fed) + len(tail), causal_head=len(fed)),
-            )
-            canvas.cache.crop(canvas.cache.length - len(tail))
-            checked, tail_logits = logits[: len(fed)], logits[len(fed) :]
-        else:
-            checked, tail_logits = model.verify(canvas.cache, fed), None
-        accepted = 0
-        for i, drafted in enumerate(proposal):
-            p = n + i
-            ids[p] = canvas.target(p, checked[len(head) + i - 1], pick)
-            accepted += 1
-            if ids[p] != drafted:
-                canvas.committed = p + 1
-                canvas.crop_to(p)
-                break
-        else:
-            canvas.committed = canvas.cached = end
-            canvas.next_logits = checked[-1]
-            if end < until:
-                canvas.commit_seed(pick)
-                accepted += 1
-                if tail_logits is not None:  # tail row j predicts position end + j + 1
-                    following_draft = tail[1:]
-                    _fill(following_draft, tail_logits, 0, end + 1, canvas)
-                    ready = (end + 1, end + len(tail), following_draft)
-        canvas.accepted_per_step.append(accepted)
+def run(model: BlockDiffusionModel, speculation: Speculation) -> None:
+    """Drive one canvas to its end, one forward at a time."""
+    while (feed := speculation.next_feed()) is not None:
+        cache = speculation.canvas.cache
+        speculation.receive(model.forward(cache, feed.tokens, feed.pattern, feed.offsets, keep=feed.keep)[0])
+
+
+def run_rows(model: BlockDiffusionModel, cache: KVCache, speculations: Sequence[Speculation]) -> None:
+    """Drive canvases that own one row each of `cache` together: each step, one forward reads every
+    unfinished row's next feed (padded to the longest; padding sees only itself and is never kept)."""
+    while True:
+        feeds = [s.next_feed() for s in speculations]
+        live = [f for f in feeds if f is not None]
+        if not live:
+            return
+        n = max(len(f.tokens) for f in live)
+        pad = speculations[0].canvas.scaffold.mask_id
+        tokens, patterns, offsets, keep = [], [], [], []
+        for feed in feeds:
+            feed = feed or Feed([pad], FULL, None, 0)
+            m = len(feed.tokens)
+            tokens.append(feed.tokens + [pad] * (n - m))
+            pattern = torch.eye(n, dtype=torch.bool)
+            pattern[:m, :m] = _as_tensor(feed.pattern, m)
+            patterns.append(pattern)
+            steps = torch.arange(m) if feed.offsets is None else feed.offsets
+            offsets.append(torch.cat([steps, steps[-1] + 1 + torch.arange(n - m)]))
+            keep.append(feed.keep)
+        logits = model.forward(cache, torch.tensor(tokens), patterns, torch.stack(offsets), keep=keep)
+        for row, (speculation, feed) in enumerate(zip(speculations, feeds, strict=True)):
+            if feed is not None:
+                speculation.receive(logits[row, : len(feed.tokens)])
+
+
+def _as_tensor(pattern: torch.Tensor | str, m: int) -> torch.Tensor:
+    if isinstance(pattern, torch.Tensor):
+        return pattern
+    return block_mask(m, m if pattern == CAUSAL else 0)
 
 
 def scaffold_speculative_decode(
@@ -129,12 +260,13 @@ def scaffold_speculative_decode(
     """`ss` (paper 000 section 3.3): per section-aligned block, scaffold auto-accepted with no forward, one
     MDM draft of the value positions, one causal verify, accept to the first mismatch plus the AR token.
 
-    `fuse_draft` (default) lets each verify also draft the next block (see `speculative_steps`); off, every
+    `fuse_draft` (default) lets each verify also draft the next block (see `fused_layout`); off, every
     block takes the paper's two forwards.
     """
     canvas = Canvas.prefill(model, prompt, scaffold)
-    speculative_steps(model, canvas, section_blocks(scaffold, block_size), scaffold_aware=True, fuse=fuse_draft)
-    return Decoded(canvas.ids, canvas.accepted_per_step)
+    speculation = Speculation(canvas, section_blocks(scaffold, block_size), scaffold_aware=True, fuse=fuse_draft)
+    run(model, speculation)
+    return Decoded(canvas.ids, canvas.accepted_per_step, speculation.stats.to_json())
 
 
 def self_speculative_decode(
@@ -143,12 +275,23 @@ def self_speculative_decode(
     """`selfspec` (paper 002 Algorithm 1): fixed-size blocks [last token, B - 1 masks], no scaffold
     knowledge in the draft; the verifier forces the scaffold as `ar` does, so the ids equal `ar`'s."""
     canvas = Canvas.prefill(model, prompt, scaffold)
-    speculative_steps(model, canvas, sliding_window(len(scaffold), block_size), scaffold_aware=False)
+    run(model, Speculation(canvas, sliding_window(len(scaffold), block_size), scaffold_aware=False))
     return Decoded(canvas.ids, canvas.accepted_per_step)
 
 
-def ss_nfe_floor(scaffold: Scaffold, block_size: int = DEFAULT_BLOCK_SIZE, fuse_draft: bool = False) -> int:
-    """The fewest forwards `ss` can take: the prefill and one draft + one verify per block with values
-    (the paper's count); with `fuse_draft`, one draft for the first such block and one verify per block."""
-    blocks = sum(bool(scaffold.is_value[b.start : b.end].any()) for b in scaffold.blocks(block_size))
-    return 1 + (1 + blocks if fuse_draft else 2 * blocks)
+def ss_nfe_floor(scaffold: Scaffold, block_size: int = DEFAULT_BLOCK_SIZE, fuse_draft: bool = True) -> int:
+    """The forwards `ss` takes when every draft is right: the prefill, then for every block with a value
+    left to decide one verify, plus one draft forward unless the previous verify drafted it (fused, when
+    that block has a value after its first position, which the previous verify's bonus decides)."""
+    blocks = [(b.start, b.end) for b in scaffold.blocks(block_size)]
+    is_value = scaffold.is_value
+    forwards, committed, drafted = 1, 1, False  # the prefill's logits commit position 0
+    for k, (start, end) in enumerate(blocks):
+        if not is_value[max(start, committed) : end].any():  # scaffold only: accepted with no forward
+            committed, drafted = end, False
+            continue
+        forwards += 1 if drafted else 2
+        following = blocks[k + 1] if k + 1 < len(blocks) else None
+        drafted = bool(fuse_draft and following and is_value[end + 1 : following[1]].any())
+        committed = end + 1 if following else end
+    return forwards

@@ -2,8 +2,12 @@
 
 DESIGN section 6. On a block-diffusion model the scaffold is forced: whatever a decoder drafts, a
 scaffold position ends up holding the template token, exactly as greedy `ar` feeds it. Decoders that
-know the scaffold (`ss`, `sd`, `fullseq`, `tts`) also show it to the MDM head and never spend a forward
-on it; the scaffold-unaware ones (`selfspec`, `selfspec-quad`, `mdm`) mask every position they draft.
+know the scaffold (`ss`, `sd`, `fullseq`, `tts`, `ar-jump`) also show it to the model and never spend a
+forward on it alone; the scaffold-unaware ones (`selfspec`, `selfspec-quad`, `mdm`) mask every position
+they draft.
+
+Tokens are chosen on the device for a whole block of logits at once and reach the host in one transfer
+per forward (`Canvas.targets`).
 """
 
 from __future__ import annotations
@@ -13,39 +17,57 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastddrive.model import BlockDiffusionModel, KVCache, PromptInputs
+from fastddrive.kv_cache import KVCache
+from fastddrive.model import BlockDiffusionModel, PromptInputs
 from fastddrive.scaffold import Scaffold
 
-TokenPicker = Callable[[torch.Tensor], int]
+TokenPicker = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # logits (m, V), positions (m,) -> tokens (m,)
 
 
-def greedy(logits: torch.Tensor) -> int:
-    """The argmax token of one logits row."""
-    return int(logits.argmax())
+def greedy(logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The argmax token of every logits row."""
+    return logits.argmax(-1)
 
 
-def sampler(temperature: float, seed: int) -> TokenPicker:
-    """Softmax sampling at `temperature` from a generator seeded with `seed` (greedy at 0)."""
+class Sampler:
+    """Softmax sampling at `temperature`, on the device, by inverse CDF with one uniform per position.
+
+    The uniforms are drawn once from `seed` for positions 0..length-1, so the token at a position does not
+    depend on which forward computed its logits or how many were tried before: a speculative decoder
+    that accepts a draft only where it equals this sample commits exactly the AR sample (paper 000
+    section 3.4), and batched rollouts equal sequential ones with the same seeds.
+    """
+
+    def __init__(self, temperature: float, seed: int, length: int) -> None:
+        if temperature <= 0:
+            raise ValueError(f"a sampler needs temperature > 0, got {temperature}")
+        self.temperature = temperature
+        self.uniforms = torch.rand(length, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+    def __call__(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.uniforms.device != logits.device:
+            self.uniforms = self.uniforms.to(logits.device)
+        cdf = torch.softmax(logits.double() / self.temperature, dim=-1).cumsum(-1)
+        u = self.uniforms[positions.to(logits.device)] * cdf[:, -1]  # the total is 1 up to rounding
+        tokens = torch.searchsorted(cdf, u[:, None]).squeeze(-1)
+        return tokens.clamp(max=logits.shape[-1] - 1)
+
+
+def sampler(temperature: float, seed: int, length: int) -> TokenPicker:
+    """Greedy at temperature 0, else a `Sampler` over `length` positions."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if temperature == 0:
-        return greedy
-    generator = torch.Generator().manual_seed(seed)
-
-    def pick(logits: torch.Tensor) -> int:
-        probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=generator))
-
-    return pick
+    return greedy if temperature == 0 else Sampler(temperature, seed, length)
 
 
 @dataclass
 class Canvas:
     """The response being decoded.
 
-    `ids` holds the template everywhere (values as |<MASK>|) and the committed tokens in [0, committed).
-    The cache holds the prompt and response positions [0, cached), cached <= committed. When they are
-    equal, `next_logits` is the causal row that predicts position `committed`.
+    Invariant: `ids` holds the template everywhere (values as |<MASK>|) and the committed tokens in
+    [0, committed). The cache holds the prompt and the response positions [0, cached), cached <=
+    committed; the committed tokens ids[cached:committed] are fed at the head of the next forward.
+    When cached == committed, `next_logits` is the causal row that predicts position `committed`.
     """
 
     scaffold: Scaffold
@@ -56,11 +78,12 @@ class Canvas:
     cached: int = 0
     next_logits: torch.Tensor | None = None
     accepted_per_step: list[int] = field(default_factory=list)
+    row: int = 0  # this canvas's row of the cache
 
     @classmethod
     def prefill(cls, model: BlockDiffusionModel, prompt: PromptInputs, scaffold: Scaffold) -> Canvas:
         """Prefill the prompt (one forward) and start an empty canvas after it."""
-        logits, cache = model.prefill(prompt)
+        logits, cache = model.prefill(prompt, room=len(scaffold) + 2 * max(len(b) for b in scaffold.blocks()))
         return cls(scaffold, cache, cache.length, scaffold.template_ids.tolist(), next_logits=logits)
 
     def __len__(self) -> int:
@@ -69,46 +92,38 @@ class Canvas:
     def is_scaffold(self, position: int) -> bool:
         return not self.scaffold.is_value[position]
 
-    def target(self, position: int, logits: torch.Tensor, pick: TokenPicker) -> int:
-        """The AR head's token at `position`: the template on the scaffold, else `pick(logits)`."""
-        return int(self.scaffold.template_ids[position]) if self.is_scaffold(position) else pick(logits)
+    def targets(self, first: int, logits: torch.Tensor, pick: TokenPicker) -> list[int]:
+        """The AR head's tokens at positions first, first + 1, ... from causal logits rows (m, V): the
+        template on the scaffold, else `pick`. One transfer to the host."""
+        positions = torch.arange(first, first + len(logits))
+        picked = pick(logits, positions).tolist()
+        template = self.scaffold.template_ids
+        return [int(template[first + i]) if self.is_scaffold(first + i) else t for i, t in enumerate(picked)]
 
     def blank(self, first: int, last: int, scaffold_aware: bool) -> list[int]:
         """Positions [first, last) before drafting: |<MASK>| everywhere, or only on values if scaffold-aware."""
         mask_id = self.scaffold.mask_id
         return [self.ids[p] if scaffold_aware and self.is_scaffold(p) else mask_id for p in range(first, last)]
 
+    def head(self) -> list[int]:
+        """The committed tokens not yet in the cache (fed before whatever comes next)."""
+        return self.ids[self.cached : self.committed]
+
     def draft(self, model: BlockDiffusionModel, block_start: int, proposal: list[int]) -> torch.Tensor:
         """MDM logits of the uncached committed tokens followed by `proposal` (cache unchanged). Those
         before `block_start` stay causal, as clean context is in training; row len(head) - 1 + i
         predicts proposal[i]."""
-        head = self.ids[self.cached : self.committed]
+        head = self.head()
         causal_head = min(max(0, block_start - self.cached), len(head))
         return model.draft(self.cache, head + proposal, causal_head=causal_head)
 
     def commit_seed(self, pick: TokenPicker) -> None:
         """Commit the token at `committed` from `next_logits` (one AR step, no forward)."""
-        self.ids[self.committed] = self.target(self.committed, self.next_logits, pick)
+        self.ids[self.committed] = self.targets(self.committed, self.next_logits[None], pick)[0]
         self.committed += 1
         self.next_logits = None
 
     def crop_to(self, position: int) -> None:
         """Keep the cache up to response position `position` (exclusive)."""
-        self.cache.crop(self.prompt_length + position)
+        self.cache.crop(self.prompt_length + position, row=self.row)
         self.cached = position
-
-    def fork(self, k: int) -> list[Canvas]:
-        """k independent canvases sharing this one's committed prefix (the cache is copied)."""
-        return [
-            Canvas(
-                self.scaffold,
-                cache,
-                self.prompt_length,
-                list(self.ids),
-                self.committed,
-                self.cached,
-                self.next_logits,
-                [],
-            )
-            for cache in self.cache.fork(k)
-        ]

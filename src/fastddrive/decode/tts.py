@@ -1,8 +1,10 @@
 """Test-time scaling with shared-prefix trajectory rollouts (paper 000 section 3.4).
 
-`ss` runs greedy through critical_objects, explanation and future_meta_behavior once; the cache is then
-forked N times and each fork runs `ss` on the trajectory section with a sampled verifier (the draft stays
-greedy). Each rollout's 5 waypoints are JMT-upsampled to 20 points at 4 Hz and the rollouts averaged.
+`ss` runs greedy through critical_objects, explanation and future_meta_behavior once. The cache is then
+forked into N rows of one batched cache, and the N rollouts decode the trajectory section together,
+one forward per step for all of them, each with its own sampled verifier (the draft stays greedy).
+Each rollout's 5 waypoints are JMT-upsampled to 20 points at 4 Hz and the rollouts averaged; the
+answer is the shared prefix with the averaged trajectory written into the scaffold.
 """
 
 from __future__ import annotations
@@ -12,18 +14,37 @@ import time
 import numpy as np
 import torch
 
-from fastddrive.decode.meter import ForwardMeter
+from fastddrive.decode.blocks import section_blocks
+from fastddrive.decode.meter import ForwardMeter, synchronize
 from fastddrive.decode.result import Decoded
-from fastddrive.decode.speculative import section_blocks, speculative_steps
+from fastddrive.decode.speculative import Speculation, run, run_rows
 from fastddrive.decode.state import Canvas, sampler
 from fastddrive.eval.jmt import jmt_upsample
 from fastddrive.model import BlockDiffusionModel, PromptInputs
 from fastddrive.scaffold import DEFAULT_BLOCK_SIZE, Scaffold
-from fastddrive.schema import ResponseError
+from fastddrive.schema import DrivingResponse, ResponseError
 
 DEFAULT_ROLLOUTS = 4
 WAYPOINT_ROWS = slice(3, None, 4)  # t = 1, 2, 3, 4, 5 s of the 4 Hz trajectory
 DEFAULT_TEMPERATURE = 0.5
+
+
+def fork_rollouts(canvas: Canvas, rollouts: int) -> list[Canvas]:
+    """`rollouts` canvases continuing `canvas`, each owning one row of one batched copy of its cache."""
+    cache = canvas.cache.fork(rollouts)
+    return [
+        Canvas(
+            canvas.scaffold,
+            cache,
+            canvas.prompt_length,
+            list(canvas.ids),
+            canvas.committed,
+            canvas.cached,
+            canvas.next_logits,
+            row=r,
+        )
+        for r in range(rollouts)
+    ]
 
 
 @torch.no_grad()
@@ -38,49 +59,61 @@ def trajectory_rollouts_decode(
     seed: int = 0,
     fuse_draft: bool = True,
 ) -> Decoded:
-    """`tts`: the token ids are the first rollout's; `extra` holds every rollout, the averaged 20-point
-    trajectory (metres, 4 Hz) and the cost of the shared prefix and of each rollout (forwards, ms)."""
+    """`tts`: the ids are the shared prefix and the averaged trajectory. `extra` holds every rollout's ids,
+    the averaged 20-point trajectory (metres, 4 Hz) and the cost of the shared prefix and of the batched
+    rollouts (forwards, ms). Rollout r samples with seed + r."""
     if rollouts < 1:
         raise ValueError(f"rollouts must be >= 1, got {rollouts}")
     blocks = section_blocks(scaffold, block_size)
     trajectory_start = scaffold.section_spans["trajectory"][0]
-    began = time.perf_counter()
-    prefix = ForwardMeter()
-    with prefix.watch(model.model):
+    began, prefix = time.perf_counter(), ForwardMeter()
+    with prefix.watch(model):
         canvas = Canvas.prefill(model, prompt, scaffold)
-        speculative_steps(model, canvas, blocks, scaffold_aware=True, until=trajectory_start, fuse=fuse_draft)
+        shared = Speculation(canvas, blocks, scaffold_aware=True, until=trajectory_start, fuse=fuse_draft)
+        run(model, shared)
+    synchronize(model.device)
     prefix_ms = 1000 * (time.perf_counter() - began)
 
-    finished: list[Canvas] = []
-    rollout_ms, rollout_nfe = [], []
-    for r, fork in enumerate(canvas.fork(rollouts)):
-        began, meter = time.perf_counter(), ForwardMeter()
-        with meter.watch(model.model):
-            pick = sampler(temperature, seed + r)
-            speculative_steps(model, fork, blocks, scaffold_aware=True, pick=pick, fuse=fuse_draft)
-        rollout_ms.append(1000 * (time.perf_counter() - began))
-        rollout_nfe.append(meter.calls)
-        finished.append(fork)
+    began, batched = time.perf_counter(), ForwardMeter()
+    forks = fork_rollouts(canvas, rollouts)
+    with batched.watch(model):
+        # Each rollout starts from the greedy draft of the first trajectory block, if the last shared verify
+        # made one, and samples with its own seed.
+        speculations = [
+            Speculation(
+                fork, blocks, True, sampler(temperature, seed + r, len(scaffold)), None, fuse_draft, shared.drafted
+            )
+            for r, fork in enumerate(forks)
+        ]
+        run_rows(model, forks[0].cache, speculations)
+    synchronize(model.device)
+    rollouts_ms = 1000 * (time.perf_counter() - began)
 
-    dense = []
-    for fork in finished:
+    answers, dense = [], []
+    for fork in forks:
         try:
-            dense.append(jmt_upsample(np.asarray(scaffold.decode(fork.ids).trajectory)))
+            answers.append(scaffold.decode(fork.ids))
         except ResponseError:
             continue  # a rollout that does not parse does not vote
+        dense.append(jmt_upsample(np.asarray(answers[-1].trajectory)))
     mean = np.mean(dense, axis=0) if dense else None
-    first = finished[0]
+    ids = forks[0].ids
+    if mean is not None:
+        averaged = DrivingResponse.model_validate(
+            answers[0].model_dump() | {"trajectory": mean[WAYPOINT_ROWS].tolist()}
+        )
+        ids = canvas.ids[:trajectory_start] + scaffold.encode(averaged).ids[trajectory_start:]
     return Decoded(
-        first.ids,
-        canvas.accepted_per_step + first.accepted_per_step,
+        ids,
+        canvas.accepted_per_step + forks[0].accepted_per_step,
         {
-            "rollouts": [f.ids for f in finished],
+            "rollouts": [f.ids for f in forks],
             "valid_rollouts": len(dense),
             "mean_trajectory_m": mean.tolist() if mean is not None else None,
             "prefix_nfe": prefix.calls,
-            "rollout_nfe": rollout_nfe,
+            "rollout_nfe": batched.calls,
+            "rollout_steps": [len(f.accepted_per_step) for f in forks],
             "prefix_ms": prefix_ms,
-            "rollout_ms": rollout_ms,
+            "rollouts_ms": rollouts_ms,
         },
-        waypoints_m=mean[WAYPOINT_ROWS].tolist() if mean is not None else None,
     )

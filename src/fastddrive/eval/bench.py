@@ -26,6 +26,7 @@ class DecoderRun:
     decoder: str
     options: dict[str, object]
     planner: Planner
+    baseline: bool = False  # the separately trained AR model writing JSON freely
 
 
 def parse_decoder_spec(spec: str) -> tuple[str, dict[str, object]]:
@@ -52,6 +53,8 @@ class BenchRow:
     prefill_ms: float
     decode_ms: float
     speedup_vs_ar: float | None
+    speedup_vs_ar_jump: float | None
+    speedup_vs_baseline: float | None
     ade3: float | None
     ade5: float | None
     invalid: int
@@ -90,9 +93,14 @@ def summarise(
     runs: Sequence[DecoderRun], scenes: Sequence[DrivingSample], results: dict[str, list[DecodeResult]]
 ) -> list[BenchRow]:
     """One row per decoder; `scenes` are the timed ones, in the order of the results."""
-    # `ar` on the model under test: the reference for speed-up and for token-for-token equality.
+    # `ar` on the model under test: the reference for speed-up and for token-for-token equality; `ar-jump`
+    # the strongest exact AR baseline; the separately trained AR model the paper's headline baseline.
     reference = next((run for run in runs if run.label == "ar"), None)
-    ar_latency = _median(results[reference.label], lambda r: r.latency_ms) if reference else None
+    jump = next((run for run in runs if run.label == "ar-jump"), None)
+    free = next((run for run in runs if run.baseline), None)
+    ar_latency, jump_latency, free_latency = (
+        _median(results[run.label], lambda r: r.latency_ms) if run else None for run in (reference, jump, free)
+    )
     rows = []
     for run in runs:
         done = results[run.label]
@@ -116,6 +124,8 @@ def summarise(
                 prefill_ms=_median(done, lambda r: r.prefill_ms),
                 decode_ms=_median(done, lambda r: r.decode_ms),
                 speedup_vs_ar=ar_latency / latency if ar_latency else None,
+                speedup_vs_ar_jump=jump_latency / latency if jump_latency else None,
+                speedup_vs_baseline=free_latency / latency if free_latency else None,
                 ade3=float(np.mean([a[0] for a in ades])) if ades else None,
                 ade5=float(np.mean([a[1] for a in ades])) if ades else None,
                 invalid=len(done) - len(ades),

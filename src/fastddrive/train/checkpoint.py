@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from fastddrive.model import BlockDiffusionModel
+from fastddrive.model_files import save_model
 
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_TENSORS = "optimizer.safetensors"
@@ -56,7 +57,7 @@ def save_checkpoint(
     final = checkpoint_dir(out, step)
     tmp = out / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    save_model(model, tmp)
     tensors, groups = _optimizer_to_safe(optimizer.state_dict())
     save_file(tensors, str(tmp / OPTIMIZER_TENSORS))
     (tmp / OPTIMIZER_GROUPS).write_text(json.dumps(groups))

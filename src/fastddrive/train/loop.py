@@ -23,7 +23,15 @@ from accelerate.state import AcceleratorState
 
 from fastddrive.data.sample import DrivingDataset, DrivingSample, from_row
 from fastddrive.eval.accuracy import evaluate_greedy_ar
-from fastddrive.model import BlockDiffusionModel, CheckpointInfo, model_path, tiny_image_processor, tiny_qwen2_5_vl
+from fastddrive.model import BlockDiffusionModel, CheckpointInfo
+from fastddrive.model_files import (
+    ensure_diffusion_tokens,
+    load_model,
+    model_path,
+    save_model,
+    tiny_image_processor,
+    tiny_qwen2_5_vl,
+)
 from fastddrive.scaffold import Scaffold
 from fastddrive.tokenizer import default_tokenizer_path, load_tokenizer
 from fastddrive.train.checkpoint import (
@@ -79,8 +87,8 @@ def initial_model(config: TrainConfig) -> BlockDiffusionModel:
         )
         if not (path / "config.json").is_file():
             raise ConfigError(f"init_from {config.init_from!r}: {path} holds no model (config.json is missing)")
-        wrapper = BlockDiffusionModel.from_pretrained(path, training=True)
-    wrapper.ensure_diffusion_tokens()
+        wrapper = load_model(path, training=True)
+    ensure_diffusion_tokens(wrapper)
     wrapper.info = CheckpointInfo(
         kind="autoregressive" if config.recipe == "ar" else "block-diffusion",
         mask_token_id=wrapper.info.mask_token_id,
@@ -184,7 +192,7 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_config.json").write_text(json.dumps(config.model_dump(), indent=2))
 
-    model = BlockDiffusionModel.from_pretrained(checkpoint.path, training=True) if checkpoint else initial_model(config)
+    model = load_model(checkpoint.path, training=True) if checkpoint else initial_model(config)
     model.model.to(accelerator.device).train()
     scaffold = Scaffold(model.tokenizer, explanation_budget=config.explanation_budget)
     collator = DualStreamCollator(model, scaffold, config)
@@ -257,6 +265,6 @@ def train(
 
     final = out / "final"
     if end == config.steps and accelerator.is_main_process:
-        model.save_pretrained(final)
+        save_model(model, final)
     seconds = time.perf_counter() - began
     return TrainReport(out, end, start, seconds, (end - start) / seconds if seconds else 0.0, final, last_validation)
