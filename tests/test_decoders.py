@@ -58,10 +58,9 @@ class Oracle:
         ]
         self.corrupted = int(corrupt.sum())
 
-    def fill_masks(self, proposal, logits, row_of_first, first, canvas):
-        for i, token in enumerate(proposal):
-            if token == canvas.scaffold.mask_id:
-                proposal[i] = self.tokens[first + i]
+    def propose(self, proposal, logits, row_of_first, first, canvas):
+        masked = [i for i, token in enumerate(proposal) if token == canvas.scaffold.mask_id]
+        return masked, torch.tensor([self.tokens[first + i] for i in masked], dtype=torch.long, device=logits.device)
 
     def read_groups(self, real):
         def read(logits, base, canvas):
@@ -75,7 +74,7 @@ class Oracle:
 
 def _with_oracle(monkeypatch, reference, rate, vocab):
     oracle = Oracle(reference, rate, vocab)
-    monkeypatch.setattr(speculative, "fill_masks", oracle.fill_masks)
+    monkeypatch.setattr(speculative, "propose", oracle.propose)
     monkeypatch.setattr(quadratic, "_read_groups", oracle.read_groups(quadratic._read_groups))
     return oracle
 
@@ -264,7 +263,7 @@ def _sequential_rollout(model: BlockDiffusionModel, prompt, scaffold, temperatur
     start = scaffold.section_spans["trajectory"][0]
     shared = Speculation(canvas, blocks, scaffold_aware=True, until=start, fuse=True)
     run(model, shared)
-    (alone,) = tts.fork_rollouts(canvas, 1)
+    (alone,) = tts.fork_rollouts(model, canvas, 1)
     pick = sampler(temperature, seed, len(scaffold))
     run(model, Speculation(alone, blocks, True, pick=pick, fuse=True, drafted=shared.drafted))
     return alone.ids
@@ -277,9 +276,9 @@ def test_tts_rollouts_decode_as_one_batch_equal_to_sequential_ones(scenes, monke
     forks, seen = [], []
     real_fork, real_forward = tts.fork_rollouts, BlockDiffusionModel.forward
 
-    def fork(canvas, rollouts):
+    def fork(model, canvas, rollouts):
         forks.append(canvas.cached)
-        return real_fork(canvas, rollouts)
+        return real_fork(model, canvas, rollouts)
 
     def forward(self, cache, *args, **kwargs):
         if forks:
@@ -330,12 +329,11 @@ def test_the_sampled_verifier_draws_exact_ar_samples(monkeypatch):
     mode = int(probs.argmax())
 
     def draft_the_mode(proposal, logits, row_of_first, position, canvas):
-        for i, token in enumerate(proposal):
-            if token == canvas.scaffold.mask_id:
-                proposal[i] = mode
+        masked = [i for i, token in enumerate(proposal) if token == canvas.scaffold.mask_id]
+        return masked, torch.full((len(masked),), mode, dtype=torch.long)
 
-    monkeypatch.setattr(speculative, "fill_masks", draft_the_mode)
-    forks = tts.fork_rollouts(canvas, rollouts)
+    monkeypatch.setattr(speculative, "propose", draft_the_mode)
+    forks = tts.fork_rollouts(model, canvas, rollouts)
     speculations = [
         Speculation(fork, blocks, True, sampler(temperature, seed, len(scaffold)), until=first + 1)
         for seed, fork in enumerate(forks)
@@ -386,13 +384,13 @@ def test_plan_validates_raw_inputs(embedded, scenes):
 
 def test_forward_counting_matches_the_layer_stack_runs(embedded, scenes, monkeypatch):
     calls = []
-    real = BlockDiffusionModel._layers
+    real = BlockDiffusionModel.layer_stack
 
     def counted(self, *args, **kwargs):
         calls.append(1)
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(BlockDiffusionModel, "_layers", counted)
+    monkeypatch.setattr(BlockDiffusionModel, "layer_stack", counted)
     result = embedded.plan(scenes[0], "ss")
     assert result.nfe == len(calls)
     assert isinstance(embedded, Planner) and torch.is_tensor(embedded.prompt(scenes[0]).input_ids)

@@ -38,6 +38,8 @@ def user_errors() -> Iterator[None]:
     from fastddrive.data.highway import UnknownScenario
     from fastddrive.data.sample import DatasetError, SampleError
     from fastddrive.decode.registry import DecoderError
+    from fastddrive.eval.roofline import RooflineError
+    from fastddrive.random_init import UnknownPreset
     from fastddrive.schema import ResponseError
     from fastddrive.tokenizer import MissingDiffusionTokens
     from fastddrive.train.checkpoint import CheckpointError
@@ -53,6 +55,8 @@ def user_errors() -> Iterator[None]:
         ConfigError,
         CheckpointError,
         DecoderError,
+        RooflineError,
+        UnknownPreset,
     )
     try:
         yield
@@ -465,6 +469,9 @@ def plan_command(
     decoder: Annotated[str, typer.Option(help="A registered decoder (ar, fullseq, mdm, sd, selfspec, ...).")] = "ss",
     option: Annotated[list[str] | None, typer.Option(help="Decoder option KEY=VALUE (tau=0.5); repeatable.")] = None,
     device: Annotated[str, typer.Option(help="cpu, cuda, cuda:1, ...")] = "cpu",
+    dtype: Annotated[
+        str | None, typer.Option(help="float32, bfloat16 or float16 (default: bfloat16 on a GPU).")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the summary.")] = False,
 ) -> None:
     """Plan one scene: from a dataset (--data/--split/--index) or from --image/--history/--command."""
@@ -484,7 +491,9 @@ def plan_command(
             scene = fastddrive.PlanInputs.checked(
                 images=[_read_image(p) for p in image or []], history=_read_history(history), command=command
             )
-        planner = fastddrive.load(model, device=device)
+        from fastddrive.eval.roofline import parse_dtype
+
+        planner = fastddrive.load(model, device=device, dtype=parse_dtype(dtype) if dtype else None)
         if planner.model.is_vision and isinstance(scene, fastddrive.PlanInputs) and not scene.images:
             raise SampleError("this model reads images: give --image")
         result = planner.plan(scene, decoder, **options)
@@ -523,6 +532,12 @@ def bench_command(
         str | None, typer.Option(help="Also time this separately trained AR model writing JSON freely.")
     ] = None,
     device: Annotated[str, typer.Option(help="cpu, cuda, ...")] = "cpu",
+    dtype: Annotated[
+        str | None, typer.Option(help="float32, bfloat16 or float16 (default: bfloat16 on a GPU).")
+    ] = None,
+    cuda_graphs: Annotated[
+        bool, typer.Option(help="On a GPU, replay fixed-shape decode forwards as CUDA graphs.")
+    ] = True,
     seed: Annotated[int, typer.Option(help="Seed of the fresh scenes (without --data).")] = 7,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the rows as JSON.")] = None,
     png: Annotated[Path | None, typer.Option(help="Write the speed-accuracy frontier as PNG.")] = None,
@@ -537,10 +552,19 @@ def bench_command(
     with user_errors():
         specs = list(DECODERS) if decoders == "all" else [d.strip() for d in decoders.split(",") if d.strip()]
         parsed = [parse_decoder_spec(spec) for spec in specs]
-        planner = fastddrive.load(model, device=device)
+        from fastddrive.eval.roofline import parse_dtype
+
+        weights = parse_dtype(dtype) if dtype else None
+        planner = fastddrive.load(model, device=device, dtype=weights, cuda_graphs=cuda_graphs)
         runs = [DecoderRun(spec, name, options, planner) for spec, (name, options) in zip(specs, parsed, strict=True)]
         if baseline:
-            free = DecoderRun(f"ar ({baseline}, free JSON)", "ar", {}, fastddrive.load(baseline, device), baseline=True)
+            free = DecoderRun(
+                f"ar ({baseline}, free JSON)",
+                "ar",
+                {},
+                fastddrive.load(baseline, device, weights, cuda_graphs),
+                baseline=True,
+            )
             runs.insert(0, free)
         chosen = _bench_scenes(data, split, seed, (samples if data else scenes) + 1)
     rows, _ = _run_bench(runs, chosen, f"{model}: {len(chosen) - 1} scenes, medians ({device})")
@@ -607,6 +631,90 @@ def _bench_scenes(data: Path | None, split: str, seed: int, needed: int) -> list
     if len(chosen) < 2:
         raise SampleError("the benchmark needs at least 2 scenes (one is the warm-up)")
     return chosen
+
+
+@app.command("roofline")
+def roofline_command(
+    model: Annotated[str | None, typer.Option(help="'default', 'default-ar' or a local model folder.")] = None,
+    random_init: Annotated[
+        str | None, typer.Option(help="Instead of --model: this architecture with random weights (qwen2.5-vl-3b).")
+    ] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda, ...")] = "cpu",
+    dtype: Annotated[
+        str | None, typer.Option(help="float32, bfloat16 or float16 (default: float32 on cpu, bfloat16 otherwise).")
+    ] = None,
+    tokens: Annotated[
+        str | None, typer.Option(help="Comma-separated new tokens per forward (default: 1,2,4,...,512).")
+    ] = None,
+    repeats: Annotated[int, typer.Option(min=1, help="Timed forwards per token count.")] = 20,
+    warmup: Annotated[int, typer.Option(min=0, help="Untimed forwards per token count first.")] = 3,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Write the rows, bandwidth and floor as JSON.")
+    ] = None,
+    png: Annotated[Path | None, typer.Option(help="Write latency against tokens per forward as PNG.")] = None,
+    cuda_graphs: Annotated[
+        bool,
+        typer.Option(
+            help="On a GPU, replay fixed-shape forwards as CUDA graphs (forwards over 128 tokens run eagerly)."
+        ),
+    ] = True,
+) -> None:
+    """Latency of one decode forward against the tokens it carries, beside the weight-read floor."""
+    import torch
+
+    from fastddrive.eval.plots import draw_roofline
+    from fastddrive.eval.roofline import DEFAULT_TOKENS, RooflineError, measure_roofline, parse_dtype, parse_tokens
+    from fastddrive.model_files import load_model, model_path
+    from fastddrive.random_init import random_init_model
+
+    with user_errors():
+        if model is not None and random_init is not None:
+            raise RooflineError("give --model or --random-init, not both")
+        counts = parse_tokens(tokens) if tokens else list(DEFAULT_TOKENS)
+        chosen = parse_dtype(dtype or ("float32" if device == "cpu" else "bfloat16"))
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise RooflineError(f"--device {device}: CUDA is not available here")
+        if random_init is not None:
+            loaded = random_init_model(random_init, device, chosen)
+            name = f"{random_init} (random weights, for timing only)"
+        else:
+            loaded = load_model(model_path(model or "default"), device, chosen)
+            name = model or "default"
+        graphs = cuda_graphs and loaded.device.type == "cuda"
+        if graphs:
+            loaded.use_static_shapes(graphs=True)
+            name += ", CUDA graphs"
+    with _progress() as progress:
+        task = progress.add_task("forwards", total=len(counts) * (warmup + repeats), note=f"{len(counts)} sizes")
+        result = measure_roofline(loaded, counts, repeats, warmup, lambda: progress.update(task, advance=1))
+    console.print(
+        f"{name}: {result.device}, {result.dtype}, prompt {result.prompt_tokens} tokens; weights read per forward "
+        f"{result.weight_bytes / 1e9:.3f} GB, copy bandwidth {result.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
+        f"floor {result.floor_ms:.3f} ms",
+        highlight=False,
+    )
+    table = Table(title=f"{name}: one forward after the prompt, {repeats} repeats")
+    for column in ("tokens", "median ms", "p10 ms", "p90 ms", "ms/token", "x floor"):
+        table.add_column(column, justify="right")
+    for row in result.rows:
+        table.add_row(
+            str(row.tokens),
+            f"{row.median_ms:.3f}",
+            f"{row.p10_ms:.3f}",
+            f"{row.p90_ms:.3f}",
+            f"{row.ms_per_token:.4f}",
+            f"{row.median_ms / result.floor_ms:.2f}x",
+        )
+    console.print(table)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"model": None if random_init else name, "random_init": random_init} | result.to_json()
+        json_out.write_text(json.dumps(payload, indent=2))
+        console.print(f"wrote {json_out}")
+    if png is not None:
+        title = f"{name}, {result.device}, {result.dtype}, prompt {result.prompt_tokens} tokens"
+        draw_roofline(result.to_json()["rows"], result.floor_ms, png, title=title)
+        console.print(f"wrote {png}")
 
 
 @app.command("demo")

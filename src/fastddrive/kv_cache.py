@@ -87,6 +87,17 @@ class KVCache:
         end = max(self.lengths) + n
         return k[:, :, :end], v[:, :, :end]
 
+    def write_at(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, at: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store new keys and values of row r at positions at[r] (a device tensor, so that the write can be
+        replayed in a CUDA graph); return the layer's whole buffers to attend over under a mask."""
+        k, v = self.keys[layer], self.values[layer]
+        for r in range(self.rows):
+            k[r].index_copy_(1, at[r], keys[r])
+            v[r].index_copy_(1, at[r], values[r])
+        return k, v
+
     def advance(self, n: int | Sequence[int]) -> None:
         """Count n (or per row, n[r]) freshly written positions as cached."""
         steps = [n] * self.rows if isinstance(n, int) else list(n)
@@ -115,8 +126,9 @@ class KVCache:
                 tensor[:, :, start : start + len(indices)] = tensor.index_select(2, index)
         self.lengths = [start + len(indices)]
 
-    def fork(self, rows: int) -> KVCache:
-        """A cache of `rows` sequences that each start with this single-row cache's content.
+    def fork(self, rows: int, into: KVCache | None = None) -> KVCache:
+        """A cache of `rows` sequences that each start with this single-row cache's content (written into
+        `into` if given, a cache of `rows` rows whose capacity is at least this one's length).
 
         One batched cache, not `rows` deep copies: the prefix is broadcast into the rows once, and every
         later forward serves all rows at once.
@@ -125,9 +137,10 @@ class KVCache:
             raise ValueError("only a single-row cache can be forked")
         length = self.length
         layers, (_, heads, _, dim) = len(self.keys), self.keys[0].shape
-        forked = KVCache(
+        forked = into or KVCache(
             layers, heads, dim, self.capacity, self.keys[0].dtype, self.keys[0].device, rows, self.rope_delta
         )
+        forked.rope_delta = self.rope_delta
         for mine, theirs in ((self.keys, forked.keys), (self.values, forked.values)):
             for source, target in zip(mine, theirs, strict=True):
                 target[:, :, :length] = source[:, :, :length]

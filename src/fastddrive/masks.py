@@ -28,6 +28,15 @@ def block_mask(n: int, causal_head: int = 0) -> torch.Tensor:
     return allowed
 
 
+def as_pattern(pattern: torch.Tensor | str, n: int) -> torch.Tensor:
+    """The (n, n) tensor of CAUSAL, FULL or a tensor pattern."""
+    if isinstance(pattern, torch.Tensor):
+        return pattern
+    if pattern not in (CAUSAL, FULL):
+        raise ValueError(f"unknown attention pattern {pattern!r}")
+    return block_mask(n, n if pattern == CAUSAL else 0)
+
+
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Boolean (B, Q, K) -> float (B, 1, Q, K): 0 where allowed, the dtype's minimum elsewhere."""
     blocked = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)

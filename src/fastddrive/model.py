@@ -32,7 +32,8 @@ from transformers import (
 )
 
 from fastddrive.kv_cache import KVCache
-from fastddrive.masks import CAUSAL, FULL, DecodeMasks, additive_mask, block_mask, dual_stream_mask
+from fastddrive.masks import CAUSAL, FULL, DecodeMasks, additive_mask, as_pattern, block_mask, dual_stream_mask
+from fastddrive.static_decode import BUCKETS, CAPACITY, StaticDecoder
 
 IMAGE_TOKEN = "<|image_pad|>"
 RESPONSE_ROOM = 512  # cache positions reserved after the prompt at prefill (more are added when needed)
@@ -163,7 +164,8 @@ class BlockDiffusionModel:
         self.forward_hooks: list[Callable[[], None]] = []  # called after every forward (NFE counting)
         self._masks: DecodeMasks | None = None
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._decode_weights: DecodeWeights | None = None
+        self.decode_weights: DecodeWeights | None = None
+        self.static: StaticDecoder | None = None  # fixed-shape forwards (CUDA graphs on a GPU), or eager
 
     @property
     def core(self) -> PreTrainedModel:
@@ -182,6 +184,11 @@ class BlockDiffusionModel:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    def use_static_shapes(self, graphs: bool = True) -> None:
+        """Run decode forwards at fixed shapes over persistent caches, replayed as CUDA graphs on a GPU
+        (`static_decode`); prompts or forwards that do not fit run eagerly."""
+        self.static = StaticDecoder(self, graphs)
 
     def on_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every tensor the model reads passes through here, onto the model's device."""
@@ -233,37 +240,42 @@ class BlockDiffusionModel:
         """The decode forward's view of the weights, rebuilt (at each prefill) when a parameter was changed
         or replaced since it was made, as training does between validations."""
         version = tuple((p.data_ptr(), p._version) for p in self.text_model.parameters())
-        if self._decode_weights is None or self._decode_weights.version != version:
-            self._decode_weights = DecodeWeights.of(self.text_model, self.core.lm_head, version)
-        return self._decode_weights
+        if self.decode_weights is None or self.decode_weights.version != version:
+            self.decode_weights = DecodeWeights.of(self.text_model, self.core.lm_head, version)
+        return self.decode_weights
 
-    def _rope(self, first: int, last: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin (T, 1, head_dim) of text positions: [first, last) when `positions` is
-        None, else `positions` (T,) within it. Rows of a table made once by the model's own rotary
-        embedding (text positions are equal on mRoPE's three axes)."""
-        if self._rope_table is None or self._rope_table[0].shape[0] < last:
-            size = max(last, 2 * RESPONSE_ROOM, 2 * (self._rope_table[0].shape[0] if self._rope_table else 0))
+    def rope_table(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin (P, 1, head_dim) of text positions 0..P-1, P >= size: made once by the
+        model's own rotary embedding (text positions are equal on mRoPE's three axes) and grown by
+        doubling."""
+        if self._rope_table is None or self._rope_table[0].shape[0] < size:
+            size = max(size, 2 * RESPONSE_ROOM, 2 * (self._rope_table[0].shape[0] if self._rope_table else 0))
             table = torch.arange(size, device=self.device)[None]
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)
             cos, sin = self.text_model.rotary_emb(probe, table.expand(3, 1, -1) if self.is_vision else table)
             self._rope_table = (cos[0][:, None], _sign_folded(sin[0])[:, None])
-        cos, sin = self._rope_table
+        return self._rope_table
+
+    def _rope(self, first: int, last: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of the rope table: positions [first, last) when `positions` is None, else `positions` (T,)."""
+        cos, sin = self.rope_table(last)
         if positions is None:
             return cos[first:last], sin[first:last]
         return cos[positions], sin[positions]
 
-    def _layers(
+    def layer_stack(
         self,
         hidden: torch.Tensor,
         rows: int,
         rope: tuple[torch.Tensor, torch.Tensor],
-        cache: KVCache,
+        store: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
         mask: Any,
         is_causal: bool,
     ) -> torch.Tensor:
-        """The decoder layers over the new tokens' hidden states (rows * n, H), writing their keys and values
-        into `cache`. RoPE as x cos + roll(x) sin' with the rotate-half sign folded into sin'."""
-        weights = self._decode_weights
+        """The decoder layers over the new tokens' hidden states (rows * n, H); `store(layer, keys, values)`
+        writes their keys and values into the cache and returns what to attend over. RoPE as
+        x cos + roll(x) sin' with the rotate-half sign folded into sin'."""
+        weights = self.decode_weights
         cos, sin = rope
         tokens = hidden.shape[0]
         n = tokens // rows
@@ -276,7 +288,7 @@ class BlockDiffusionModel:
             q = qk[:, :heads].view(rows, n, heads, dim).transpose(1, 2)
             k = qk[:, heads:].view(rows, n, kv_heads, dim).transpose(1, 2)
             v = qkv[:, heads + kv_heads :].view(rows, n, kv_heads, dim).transpose(1, 2)
-            keys, values = cache.write(i, k, v)
+            keys, values = store(i, k, v)
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, is_causal=is_causal, scale=weights.scaling, enable_gqa=True
             )
@@ -285,8 +297,9 @@ class BlockDiffusionModel:
             hidden = torch.addmm(hidden, layer.act(gate) * up, layer.down.t())
         return hidden
 
-    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        weights = self._decode_weights
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: logits of hidden states."""
+        weights = self.decode_weights
         return F.linear(weights.norm(hidden, weights.final_norm), weights.head)
 
     def _forwarded(self) -> None:
@@ -308,21 +321,24 @@ class BlockDiffusionModel:
             embeds = embeds.masked_scatter((ids == self.image_token_id)[..., None], image)
         config = self.text_model.config
         n = ids.shape[1]
-        cache = KVCache(
-            config.num_hidden_layers,
-            config.num_key_value_heads,
-            self.text_model.layers[0].self_attn.head_dim,
-            n + room,
-            self.dtype,
-            self.device,
-            rope_delta=int(deltas[0]),
-        )
+        if self.static is not None and n + room <= CAPACITY - BUCKETS[-1]:
+            cache = self.static.cache(1, int(deltas[0]))
+        else:
+            cache = KVCache(
+                config.num_hidden_layers,
+                config.num_key_value_heads,
+                self.text_model.layers[0].self_attn.head_dim,
+                n + room,
+                self.dtype,
+                self.device,
+                rope_delta=int(deltas[0]),
+            )
         cos, sin = self.text_model.rotary_emb(embeds, self.on_device(positions))
         rope = (cos[0][:, None], _sign_folded(sin[0])[:, None])
-        hidden = self._layers(embeds[0], 1, rope, cache, None, is_causal=True)
+        hidden = self.layer_stack(embeds[0], 1, rope, cache.write, None, is_causal=True)
         cache.advance(n)
         self._forwarded()
-        return self._head(hidden[-1:])[0], cache
+        return self.head(hidden[-1:])[0], cache
 
     @torch.no_grad()
     def forward(
@@ -338,8 +354,11 @@ class BlockDiffusionModel:
         (n,) or (rows, n), default 0..n-1) and sees the row's whole prefix and the new tokens its pattern
         allows (one for all rows, or one (n, n) tensor per row). The cache then holds the first `keep`
         new tokens of each row (all by default; 0 for a draft, or one count per row)."""
-        ids = self.on_device(torch.as_tensor(ids, dtype=torch.long).reshape(cache.rows, -1))
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(cache.rows, -1)
         n = ids.shape[1]
+        if self.static is not None and self.static.fits(cache, n):
+            return self._static_forward(cache, ids.cpu(), pattern, offsets, keep)
+        ids = self.on_device(ids)
         if self._masks is None:
             self._masks = DecodeMasks(self.device)
         mask, is_causal = self._masks.mask(cache.lengths, n, pattern)
@@ -352,12 +371,38 @@ class BlockDiffusionModel:
             steps = torch.arange(n) if offsets is None else torch.as_tensor(offsets)
             positions = (torch.tensor(lengths) + cache.rope_delta)[:, None] + steps
             rope = self._rope(0, int(positions.max()) + 1, self.on_device(positions.reshape(-1)))
-        hidden = self._layers(
-            F.embedding(ids.reshape(-1), self._decode_weights.embed), cache.rows, rope, cache, mask, is_causal
+        hidden = self.layer_stack(
+            F.embedding(ids.reshape(-1), self.decode_weights.embed), cache.rows, rope, cache.write, mask, is_causal
         )
         cache.advance(n if keep is None else keep)
         self._forwarded()
-        return self._head(hidden).view(cache.rows, n, -1)
+        return self.head(hidden).view(cache.rows, n, -1)
+
+    def _static_forward(
+        self,
+        cache: KVCache,
+        ids: torch.Tensor,
+        pattern: Pattern | Sequence[torch.Tensor],
+        offsets: torch.Tensor | None,
+        keep: int | Sequence[int] | None,
+    ) -> torch.Tensor:
+        rows, n = ids.shape
+        if isinstance(pattern, (torch.Tensor, str)):
+            patterns = as_pattern(pattern, n).expand(rows, n, n)
+        else:
+            patterns = torch.stack(list(pattern))
+        steps = torch.arange(n) if offsets is None else torch.as_tensor(offsets)
+        positions = (torch.tensor(cache.lengths) + cache.rope_delta)[:, None] + steps
+        logits = self.static.forward(cache, ids, patterns, positions.expand(rows, n))
+        cache.advance(n if keep is None else keep)
+        self._forwarded()
+        return logits
+
+    def fork(self, cache: KVCache, rows: int) -> KVCache:
+        """`rows` rows of one batched cache, each continuing the single-row `cache` (`KVCache.fork`)."""
+        if self.static is not None and self.static.owns(cache):
+            return cache.fork(rows, into=self.static.cache(rows, cache.rope_delta))
+        return cache.fork(rows)
 
     def verify(self, cache: KVCache, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """AR head: causal logits (n, V) of `ids` after the cached prefix; the cache now holds them too."""

@@ -105,9 +105,21 @@ class Planner:
         return decode(decoder, self.model, self.prompt(scene), self.scaffold, **options)
 
 
-def load(name: str | Path = "default", device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Planner:
-    """'default' (the embedded block-diffusion model), 'default-ar' (its AR baseline) or a local folder."""
-    return Planner(load_model(model_path(str(name)), device=device, dtype=dtype))
+def load(
+    name: str | Path = "default",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    cuda_graphs: bool | None = None,
+) -> Planner:
+    """'default' (the embedded block-diffusion model), 'default-ar' (its AR baseline) or a local folder.
+
+    Weights are bfloat16 on a GPU and float32 on the CPU unless `dtype` says otherwise. On a GPU, decode
+    forwards are replayed as CUDA graphs (`static_decode`) unless `cuda_graphs` is False."""
+    on_gpu = torch.device(device).type == "cuda"
+    model = load_model(model_path(str(name)), device=device, dtype=dtype or (torch.bfloat16 if on_gpu else None))
+    if cuda_graphs if cuda_graphs is not None else model.device.type == "cuda":
+        model.use_static_shapes(graphs=True)
+    return Planner(model)
 
 
 __all__ = ["NAV_COMMANDS", "PlanInputs", "Planner", "load", "prompt_inputs"]

@@ -157,17 +157,25 @@ class Speculation:
             return
         fused = self.drafted is not None and self.drafted[2]
         self.drafted = None
-        self.canvas.cached += head + len(proposal)  # the verify kept head and proposal
-        accepted = accept(self.canvas, proposal, logits, head, self.pick)
-        self._count(fused, first, proposal)
         canvas = self.canvas
+        canvas.cached += head + len(proposal)  # the verify kept head and proposal
+        # The verifier's tokens and, for a fused verify, the next block's draft: one transfer to the host.
+        picked = self.pick(logits[head - 1 : head - 1 + len(proposal)], torch.arange(first, end))
+        following = tail[2:] if tail is not None else []
+        if tail is not None:
+            masked, drafted = propose(following, logits[head + len(proposal) :], 1, end + 1, canvas)
+            picked = torch.cat([picked, drafted])
+        host = picked.tolist()
+        targets = canvas.forced(first, host[: len(proposal)])
+        accepted = accept(canvas, proposal, targets, logits[head - 1 + len(proposal)])
+        self._count(fused, first, proposal)
         if canvas.cached == end and end < len(canvas):  # accepted whole: the bonus seeds the next block
             if end < self.until:
                 canvas.commit_seed(self.pick)
                 accepted += 1
             if tail is not None:  # tail row j predicts position end + j
-                following = tail[2:]
-                fill_masks(following, logits[head + len(proposal) :], 1, end + 1, canvas)
+                for i, token in zip(masked, host[len(proposal) :], strict=True):
+                    following[i] = token
                 self.drafted = (end + 1, following, True)
         canvas.accepted_per_step.append(accepted)
 
@@ -183,21 +191,28 @@ class Speculation:
             self.stats.accepted += agreed
 
 
-def fill_masks(proposal: list[int], logits: torch.Tensor, row_of_first: int, first: int, canvas: Canvas) -> None:
-    """Replace the masks of `proposal` (positions first, first + 1, ...) by the MDM head's greedy tokens
-    (inside each slot's vocabulary); logits[row_of_first + i] predicts proposal[i]. One host transfer."""
+def propose(
+    proposal: list[int], logits: torch.Tensor, row_of_first: int, first: int, canvas: Canvas
+) -> tuple[list[int], torch.Tensor]:
+    """The MDM head's draft for the masks of `proposal` (positions first, first + 1, ...): their indices
+    and greedy tokens inside each slot's vocabulary, on the device; logits[row_of_first + i] predicts
+    proposal[i]."""
     masked, rows = masked_rows(proposal, logits, row_of_first, first, canvas.scaffold)
-    for i, token in zip(masked, rows.argmax(-1).tolist(), strict=True):
+    return masked, rows.argmax(-1)
+
+
+def fill_masks(proposal: list[int], logits: torch.Tensor, row_of_first: int, first: int, canvas: Canvas) -> None:
+    """Replace the masks of `proposal` by the MDM head's draft (`propose`); one host transfer."""
+    masked, tokens = propose(proposal, logits, row_of_first, first, canvas)
+    for i, token in zip(masked, tokens.tolist(), strict=True):
         proposal[i] = token
 
 
-def accept(canvas: Canvas, proposal: list[int], checked: torch.Tensor, head: int, pick: TokenPicker) -> int:
-    """Commit the verifier's tokens for `proposal` up to and including the first one that differs from
+def accept(canvas: Canvas, proposal: list[int], targets: list[int], after: torch.Tensor) -> int:
+    """Commit the verifier's `targets` for `proposal` up to and including the first one that differs from
     the draft (the bonus token) and crop the cache after the last agreeing one; returns how many were
-    committed. `checked` are the verify rows (row i predicts the token after fed token i) and `head` the
-    number of uncached tokens fed before the proposal."""
+    committed. When all agree, `after` (the verify row after the proposal) predicts the next position."""
     n = canvas.committed
-    targets = canvas.targets(n, checked[head - 1 : head - 1 + len(proposal)], pick)
     for i, (drafted, target) in enumerate(zip(proposal, targets, strict=True)):
         canvas.ids[n + i] = target
         if target != drafted:
@@ -205,7 +220,7 @@ def accept(canvas: Canvas, proposal: list[int], checked: torch.Tensor, head: int
             canvas.crop_to(n + i)
             return i + 1
     canvas.committed = n + len(proposal)
-    canvas.next_logits = checked[head - 1 + len(proposal)]
+    canvas.next_logits = after
     return len(proposal)
 
 

@@ -95,8 +95,10 @@ class Canvas:
     def targets(self, first: int, logits: torch.Tensor, pick: TokenPicker) -> list[int]:
         """The AR head's tokens at positions first, first + 1, ... from causal logits rows (m, V): the
         template on the scaffold, else `pick`. One transfer to the host."""
-        positions = torch.arange(first, first + len(logits))
-        picked = pick(logits, positions).tolist()
+        return self.forced(first, pick(logits, torch.arange(first, first + len(logits))).tolist())
+
+    def forced(self, first: int, picked: list[int]) -> list[int]:
+        """Tokens picked for positions first, first + 1, ... with the template put back on the scaffold."""
         template = self.scaffold.template_ids
         return [int(template[first + i]) if self.is_scaffold(first + i) else t for i, t in enumerate(picked)]
 

@@ -29,9 +29,9 @@ WAYPOINT_ROWS = slice(3, None, 4)  # t = 1, 2, 3, 4, 5 s of the 4 Hz trajectory
 DEFAULT_TEMPERATURE = 0.5
 
 
-def fork_rollouts(canvas: Canvas, rollouts: int) -> list[Canvas]:
+def fork_rollouts(model: BlockDiffusionModel, canvas: Canvas, rollouts: int) -> list[Canvas]:
     """`rollouts` canvases continuing `canvas`, each owning one row of one batched copy of its cache."""
-    cache = canvas.cache.fork(rollouts)
+    cache = model.fork(canvas.cache, rollouts)
     return [
         Canvas(
             canvas.scaffold,
@@ -75,7 +75,7 @@ def trajectory_rollouts_decode(
     prefix_ms = 1000 * (time.perf_counter() - began)
 
     began, batched = time.perf_counter(), ForwardMeter()
-    forks = fork_rollouts(canvas, rollouts)
+    forks = fork_rollouts(model, canvas, rollouts)
     with batched.watch(model):
         # Each rollout starts from the greedy draft of the first trajectory block, if the last shared verify
         # made one, and samples with its own seed.

@@ -1,4 +1,4 @@
-"""Pictures people look at: trajectories drawn over the scene."""
+"""Pictures people look at: trajectories drawn over the scene, the speed-accuracy frontier, the roofline."""
 
 from __future__ import annotations
 
@@ -70,6 +70,32 @@ def draw_frontier(rows: Sequence[Mapping[str, object]], path: str | Path, title:
     ax.set_ylabel("ADE@5s (m, log scale)")
     ax.set_title(title or "speed-accuracy frontier (lower left is better)", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def draw_roofline(rows: Sequence[Mapping[str, float]], floor_ms: float, path: str | Path, title: str = "") -> Path:
+    """Write latency per forward (median, p10-p90 bars) against tokens per forward (log scale), with the
+    weight-read floor as a horizontal line; `rows` are roofline rows with `tokens`, `median_ms`, `p10_ms`
+    and `p90_ms`."""
+    drawn = sorted(rows, key=lambda r: r["tokens"])
+    tokens = [r["tokens"] for r in drawn]
+    median = np.array([r["median_ms"] for r in drawn])
+    spread = [median - [r["p10_ms"] for r in drawn], [r["p90_ms"] for r in drawn] - median]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    ax.errorbar(tokens, median, yerr=spread, fmt="o-", ms=4, capsize=3, label="one forward (median, p10-p90)")
+    ax.axhline(floor_ms, color="tab:red", ls="--", lw=1.2, label=f"weight-read floor {floor_ms:.2f} ms")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(tokens, [str(t) for t in tokens])
+    ax.set_ylim(bottom=0)  # latencies as multiples of the floor must read off the picture
+    ax.set_xlabel("new tokens per forward (log scale)")
+    ax.set_ylabel("latency per forward (ms)")
+    ax.set_title(title or "decode roofline", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, bbox_inches="tight")

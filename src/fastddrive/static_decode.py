@@ -1,0 +1,158 @@
+"""Fixed-shape decode forwards, replayed as CUDA graphs (gpt-fast's recipe, without torch.compile).
+
+A decode forward of this tiny-batch regime costs what launching its kernels costs, not what reading the
+weights costs. Here every decode forward is made one of a few shapes: the new tokens are padded to a
+bucket size (padding sees only itself, nothing sees it, and it is never kept), attention reads the
+whole preallocated cache under a mask built on the device from each row's length, and keys and values
+are written with `index_copy_` at positions computed on the device. Each (rows, bucket) shape is then
+captured once as a CUDA graph over a cache that lives as long as the model and replayed, so a forward
+is one launch. On the CPU the same fixed-shape code runs without graphs, which is how tests compare it
+with the eager path. Ids are the same either way; only summation order differs from the eager path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fastddrive.kv_cache import KVCache
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)  # new tokens per row; a longer forward runs eagerly
+CAPACITY = 2048  # positions per row of a static cache; prompts that leave too little room run eagerly
+
+
+@dataclass
+class Shape:
+    """The static tensors of one (rows, bucket) forward: inputs written before each run, the output read
+    after it, and the graph that reads and writes them (None on the CPU)."""
+
+    ids: torch.Tensor  # (rows, bucket)
+    lengths: torch.Tensor  # (rows,) cached positions per row before the forward
+    positions: torch.Tensor  # (rows, bucket) rotary positions
+    pattern: torch.Tensor  # (rows, bucket, bucket) who sees whom among the new tokens
+    logits: torch.Tensor | None = None  # (rows, bucket, V)
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class StaticDecoder:
+    """Runs `BlockDiffusionModel.forward` at fixed shapes over the model's persistent caches."""
+
+    def __init__(self, model, graphs: bool) -> None:
+        self.model = model
+        self.graphs = graphs and model.device.type == "cuda"
+        self.caches: dict[int, KVCache] = {}
+        self.shapes: dict[tuple[int, int], Shape] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self.capture_seconds = 0.0
+
+    def cache(self, rows: int, rope_delta: int) -> KVCache:
+        """The persistent cache of `rows` rows, emptied. Graphs read its tensors, so it is never replaced."""
+        if rows not in self.caches:
+            config = self.model.text_model.config
+            head_dim = self.model.text_model.layers[0].self_attn.head_dim
+            self.caches[rows] = KVCache(
+                config.num_hidden_layers,
+                config.num_key_value_heads,
+                head_dim,
+                CAPACITY,
+                self.model.dtype,
+                self.model.device,
+                rows,
+            )
+        cache = self.caches[rows]
+        cache.lengths = [0] * rows
+        cache.rope_delta = rope_delta
+        return cache
+
+    def owns(self, cache: KVCache) -> bool:
+        return self.caches.get(cache.rows) is cache
+
+    def fits(self, cache: KVCache, n: int) -> bool:
+        return self.owns(cache) and n <= BUCKETS[-1] and max(cache.lengths) + n <= cache.capacity - BUCKETS[-1]
+
+    def forward(
+        self, cache: KVCache, ids: torch.Tensor, patterns: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits (rows, n, V) of ids (rows, n) with per-row patterns (rows, n, n) and rotary positions
+        (rows, n), all on the host; the cache's lengths are not moved (the caller keeps what it keeps)."""
+        rows, n = ids.shape
+        bucket = next(b for b in BUCKETS if b >= n)
+        shape = self._shape(rows, bucket, cache.capacity)
+        padded_ids = torch.zeros(rows, bucket, dtype=torch.long)
+        padded_ids[:, :n] = ids
+        padded_pattern = torch.eye(bucket, dtype=torch.bool).repeat(rows, 1, 1)
+        padded_pattern[:, :n, :n] = patterns
+        padded_positions = torch.zeros(rows, bucket, dtype=torch.long)
+        padded_positions[:, :n] = positions
+        padded_positions[:, n:] = positions[:, -1:]
+        for static, value in (
+            (shape.ids, padded_ids),
+            (shape.lengths, torch.tensor(cache.lengths)),
+            (shape.positions, padded_positions),
+            (shape.pattern, padded_pattern),
+        ):
+            static.copy_(value, non_blocking=True)
+        if self.graphs and shape.graph is None:
+            # Captured with this forward's own inputs: the warm-up runs write the keys and values the
+            # replay writes again, so capturing never leaves anything else in the cache.
+            self._capture(cache, shape)
+        if shape.graph is not None:
+            shape.graph.replay()
+        else:
+            self._run(cache, shape)
+        return shape.logits[:, :n].clone()
+
+    def _shape(self, rows: int, bucket: int, capacity: int) -> Shape:
+        key = (rows, bucket)
+        if key not in self.shapes:
+            device = self.model.device
+            self.model.rope_table(2 * capacity)  # graphs index it: it must not be reallocated later
+            self.shapes[key] = Shape(
+                ids=torch.zeros(rows, bucket, dtype=torch.long, device=device),
+                lengths=torch.zeros(rows, dtype=torch.long, device=device),
+                positions=torch.zeros(rows, bucket, dtype=torch.long, device=device),
+                pattern=torch.eye(bucket, dtype=torch.bool, device=device).repeat(rows, 1, 1),
+            )
+        return self.shapes[key]
+
+    def _capture(self, cache: KVCache, shape: Shape) -> None:
+        import time
+
+        began = time.perf_counter()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up outside the graph (allocator, cuBLAS handles)
+                self._run(cache, shape)
+        torch.cuda.current_stream().wait_stream(stream)
+        shape.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(shape.graph, pool=self.pool):
+            self._run(cache, shape)
+        torch.cuda.synchronize()
+        self.capture_seconds += time.perf_counter() - began
+
+    def _run(self, cache: KVCache, shape: Shape) -> None:
+        """The forward itself, from the shape's static inputs to its static output; device ops only."""
+        model = self.model
+        rows, bucket = shape.ids.shape
+        cos, sin = model.rope_table(2 * cache.capacity)
+        flat = shape.positions.reshape(-1)
+        rope = (cos[flat], sin[flat])
+        at = shape.lengths[:, None] + torch.arange(bucket, device=shape.ids.device)  # where the new tokens go
+        relative = torch.arange(cache.capacity, device=shape.ids.device)[None] - shape.lengths[:, None]
+        inside = (relative >= 0) & (relative < bucket)
+        seen = torch.gather(shape.pattern, 2, relative.clamp(0, bucket - 1)[:, None].expand(-1, bucket, -1))
+        mask = ((relative < 0)[:, None] | (inside[:, None] & seen))[:, None]
+
+        def store(layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return cache.write_at(layer, keys, values, at)
+
+        embeds = F.embedding(shape.ids.reshape(-1), model.decode_weights.embed)
+        hidden = model.layer_stack(embeds, rows, rope, store, mask, False)
+        logits = model.head(hidden).view(rows, bucket, -1)
+        if shape.logits is None:
+            shape.logits = logits
+        else:
+            shape.logits.copy_(logits)
