@@ -6,6 +6,8 @@ from typer.testing import CliRunner
 from fastddrive.cli import app
 from fastddrive.data import build
 from fastddrive.data.sample import DrivingDataset
+from fastddrive.decode.speculative import ss_nfe_floor
+from fastddrive.planner import load
 
 runner = CliRunner()
 
@@ -196,10 +198,12 @@ def test_plan_rejects_bad_input_with_a_clear_message(small_dataset, args, messag
 def test_bench_times_decoders_on_the_same_scenes_and_writes_json_and_png(small_dataset, tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "frontier.png"
     args = ["bench", "--data", small_dataset, "--samples", 2, "--decoders", "ar,ar-jump,ss,sd:tau=0.0", "--json", out]
-    result = _run(*args, "--png", png, "--baseline", "default-ar")
+    result = _run(*args, "--png", png, "--baseline", "default-ar", "--oracle-drafts")
     assert result.exit_code == 0, result.output
     rows = {row["label"]: row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"ar (default-ar, free JSON)", "ar", "ar-jump", "ss", "sd:tau=0.0"}
+    oracle = "ss (oracle drafts: speed bound)"
+    assert set(rows) == {"ar (default-ar, free JSON)", "ar", "ar-jump", "ss", "sd:tau=0.0", oracle}
+    assert rows[oracle]["identical_to_ar"] == 1.0 and rows[oracle]["nfe"] == ss_nfe_floor(load("default").scaffold)
     keys = {"decoder", "nfe", "tokens_per_nfe", "tokens_per_s", "latency_ms", "speedup_vs_ar", "ade3", "ade5"}
     keys |= {"speedup_vs_ar_jump", "speedup_vs_baseline"}
     for row in rows.values():

@@ -355,7 +355,7 @@ def test_unknown_decoder_and_unknown_option_are_named(embedded, scenes):
     with pytest.raises(DecoderError, match="'ss' takes no option 'tau'"):
         embedded.plan(scenes[0], "ss", tau=0.5)
     assert decoder_options("sd") == {"tau": 0.9, "block_size": 32}
-    assert decoder_options("ss") == {"block_size": 32, "fuse_draft": True}
+    assert decoder_options("ss") == {"block_size": 32, "fuse_draft": True, "drafts": None}
     assert decoder_options("ar-jump") == {"temperature": 0.0, "seed": 0}
 
 
@@ -423,3 +423,16 @@ def test_evaluation_scores_rfs_against_the_simulated_raters(embedded):
     report = evaluate(embedded.model, [scene], "ss")
     assert report.rfs is not None and 0.0 <= report.rfs <= 10.0
     assert report.per_sample[0]["rfs"] == report.rfs
+
+
+def test_ss_with_external_drafts_keeps_the_ids_of_ar(embedded, scenes, references):
+    """`drafts` replace the MDM head's drafts; the verifier still decides, so right drafts cost the floor
+    and wrong ones only forwards."""
+    reference = references[4]
+    oracle = embedded.plan(scenes[4], "ss", drafts=reference.token_ids)
+    assert oracle.token_ids == reference.token_ids and oracle.nfe == ss_nfe_floor(embedded.scaffold)
+    wrong = [embedded.scaffold.null_id] * len(reference.token_ids)
+    corrupted = embedded.plan(scenes[4], "ss", drafts=wrong)
+    assert corrupted.token_ids == reference.token_ids and corrupted.nfe > oracle.nfe
+    with pytest.raises(ValueError, match="drafts must hold"):
+        embedded.plan(scenes[4], "ss", drafts=[1, 2])

@@ -7,7 +7,7 @@ import torch
 from fastddrive.data.highway import episode_samples
 from fastddrive.decode import DECODERS
 from fastddrive.planner import load
-from fastddrive.static_decode import BUCKETS, CAPACITY
+from fastddrive.static_decode import BUCKETS, CAPACITY_STEP
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_fixed_shape_logits_equal_eager_ones_and_long_forwards_fall_back(scene):
         x, y = eager.model.verify(cache_a, ids), static.model.verify(cache_b, ids)
         assert torch.allclose(x, y, atol=1e-4), n
         assert cache_a.lengths == cache_b.lengths
-    assert cache_b.capacity == CAPACITY
+    assert cache_b.capacity % CAPACITY_STEP == 0 and cache_b.capacity >= cache_b.length + BUCKETS[-1]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

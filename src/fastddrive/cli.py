@@ -538,11 +538,18 @@ def bench_command(
     cuda_graphs: Annotated[
         bool, typer.Option(help="On a GPU, replay fixed-shape decode forwards as CUDA graphs.")
     ] = True,
+    random_init: Annotated[
+        str | None, typer.Option(help="Instead of --model: this architecture with random weights, for timing only.")
+    ] = None,
+    oracle_drafts: Annotated[
+        bool, typer.Option(help="Also time ss drafting ar's own ids: the speed bound at perfect acceptance.")
+    ] = False,
     seed: Annotated[int, typer.Option(help="Seed of the fresh scenes (without --data).")] = 7,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the rows as JSON.")] = None,
     png: Annotated[Path | None, typer.Option(help="Write the speed-accuracy frontier as PNG.")] = None,
 ) -> None:
     """Every decoder on the same scenes in one process: NFE, tokens/NFE, tokens/s, latency, speed-up, ADE."""
+    import torch
 
     import fastddrive
     from fastddrive.decode.registry import DECODERS
@@ -555,8 +562,19 @@ def bench_command(
         from fastddrive.eval.roofline import parse_dtype
 
         weights = parse_dtype(dtype) if dtype else None
-        planner = fastddrive.load(model, device=device, dtype=weights, cuda_graphs=cuda_graphs)
+        if random_init is not None:
+            from fastddrive.random_init import random_init_model
+
+            on_gpu = torch.device(device).type == "cuda"
+            built = random_init_model(random_init, device, weights or (torch.bfloat16 if on_gpu else torch.float32))
+            if on_gpu and cuda_graphs:
+                built.use_static_shapes(graphs=True)
+            planner, model = fastddrive.Planner(built), f"{random_init} (random weights, for timing only)"
+        else:
+            planner = fastddrive.load(model, device=device, dtype=weights, cuda_graphs=cuda_graphs)
         runs = [DecoderRun(spec, name, options, planner) for spec, (name, options) in zip(specs, parsed, strict=True)]
+        if oracle_drafts:
+            runs.append(DecoderRun("ss (oracle drafts: speed bound)", "ss", {}, planner, oracle=True))
         if baseline:
             free = DecoderRun(
                 f"ar ({baseline}, free JSON)",
@@ -690,7 +708,8 @@ def roofline_command(
     console.print(
         f"{name}: {result.device}, {result.dtype}, prompt {result.prompt_tokens} tokens; weights read per forward "
         f"{result.weight_bytes / 1e9:.3f} GB, copy bandwidth {result.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
-        f"floor {result.floor_ms:.3f} ms",
+        f"floor {result.floor_ms:.3f} ms"
+        + (f"; CUDA graphs captured in {loaded.static.capture_seconds:.1f} s" if graphs else ""),
         highlight=False,
     )
     table = Table(title=f"{name}: one forward after the prompt, {repeats} repeats")

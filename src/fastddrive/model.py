@@ -33,7 +33,7 @@ from transformers import (
 
 from fastddrive.kv_cache import KVCache
 from fastddrive.masks import CAUSAL, FULL, DecodeMasks, additive_mask, as_pattern, block_mask, dual_stream_mask
-from fastddrive.static_decode import BUCKETS, CAPACITY, StaticDecoder
+from fastddrive.static_decode import BUCKETS, StaticDecoder
 
 IMAGE_TOKEN = "<|image_pad|>"
 RESPONSE_ROOM = 512  # cache positions reserved after the prompt at prefill (more are added when needed)
@@ -254,6 +254,8 @@ class BlockDiffusionModel:
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)
             cos, sin = self.text_model.rotary_emb(probe, table.expand(3, 1, -1) if self.is_vision else table)
             self._rope_table = (cos[0][:, None], _sign_folded(sin[0])[:, None])
+            if self.static is not None:
+                self.static.forget()  # captured graphs read the old table
         return self._rope_table
 
     def _rope(self, first: int, last: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -321,8 +323,8 @@ class BlockDiffusionModel:
             embeds = embeds.masked_scatter((ids == self.image_token_id)[..., None], image)
         config = self.text_model.config
         n = ids.shape[1]
-        if self.static is not None and n + room <= CAPACITY - BUCKETS[-1]:
-            cache = self.static.cache(1, int(deltas[0]))
+        if self.static is not None:
+            cache = self.static.cache(1, int(deltas[0]), n + room)
         else:
             cache = KVCache(
                 config.num_hidden_layers,
@@ -362,7 +364,10 @@ class BlockDiffusionModel:
         if self._masks is None:
             self._masks = DecodeMasks(self.device)
         mask, is_causal = self._masks.mask(cache.lengths, n, pattern)
+        capacity = cache.capacity
         cache.reserve(n)
+        if self.static is not None and cache.capacity != capacity:
+            self.static.forget(cache.rows)  # captured graphs read the old cache tensors
         lengths = cache.lengths
         if offsets is None and cache.rows == 1:
             first = lengths[0] + cache.rope_delta
@@ -401,7 +406,7 @@ class BlockDiffusionModel:
     def fork(self, cache: KVCache, rows: int) -> KVCache:
         """`rows` rows of one batched cache, each continuing the single-row `cache` (`KVCache.fork`)."""
         if self.static is not None and self.static.owns(cache):
-            return cache.fork(rows, into=self.static.cache(rows, cache.rope_delta))
+            return cache.fork(rows, into=self.static.cache(rows, cache.rope_delta, cache.capacity - BUCKETS[-1]))
         return cache.fork(rows)
 
     def verify(self, cache: KVCache, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from fastddrive.kv_cache import KVCache
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)  # new tokens per row; a longer forward runs eagerly
-CAPACITY = 2048  # positions per row of a static cache; prompts that leave too little room run eagerly
+CAPACITY_STEP = 512  # a static cache holds a multiple of this many positions per row (attention reads them all)
 
 
 @dataclass
@@ -47,24 +47,31 @@ class StaticDecoder:
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.capture_seconds = 0.0
 
-    def cache(self, rows: int, rope_delta: int) -> KVCache:
-        """The persistent cache of `rows` rows, emptied. Graphs read its tensors, so it is never replaced."""
-        if rows not in self.caches:
+    def cache(self, rows: int, rope_delta: int, needed: int) -> KVCache:
+        """The persistent cache of `rows` rows, emptied, with room for `needed` positions and a bucket more.
+        Graphs read its tensors, so it is replaced (and its shapes recaptured) only when too small."""
+        capacity = -(-(needed + BUCKETS[-1]) // CAPACITY_STEP) * CAPACITY_STEP
+        if rows not in self.caches or self.caches[rows].capacity < capacity:
             config = self.model.text_model.config
             head_dim = self.model.text_model.layers[0].self_attn.head_dim
             self.caches[rows] = KVCache(
                 config.num_hidden_layers,
                 config.num_key_value_heads,
                 head_dim,
-                CAPACITY,
+                capacity,
                 self.model.dtype,
                 self.model.device,
                 rows,
             )
+            self.forget(rows)
         cache = self.caches[rows]
         cache.lengths = [0] * rows
         cache.rope_delta = rope_delta
         return cache
+
+    def forget(self, rows: int | None = None) -> None:
+        """Drop the captured shapes (of caches with `rows` rows, or all) after what they read was replaced."""
+        self.shapes = {key: shape for key, shape in self.shapes.items() if rows is not None and key[0] != rows}
 
     def owns(self, cache: KVCache) -> bool:
         return self.caches.get(cache.rows) is cache

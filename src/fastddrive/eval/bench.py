@@ -27,6 +27,7 @@ class DecoderRun:
     options: dict[str, object]
     planner: Planner
     baseline: bool = False  # the separately trained AR model writing JSON freely
+    oracle: bool = False  # draft with `ar`'s ids on the same scene (the speed bound at perfect acceptance)
 
 
 def parse_decoder_spec(spec: str) -> tuple[str, dict[str, object]]:
@@ -77,15 +78,19 @@ def run_decoders(
     """Every decoder on every scene after `warmup` untimed scenes (which are not in the results)."""
     if len(scenes) <= warmup:
         raise ValueError(f"the benchmark needs more than {warmup} scene(s): the first {warmup} only warm up")
-    for scene in scenes[:warmup]:
-        for run in runs:
-            run.planner.plan(scene, run.decoder, **run.options)
+    labels = [run.label for run in runs]
+    if any(run.oracle and "ar" not in labels[:k] for k, run in enumerate(runs)):
+        raise ValueError("oracle drafts are `ar`'s ids: give `ar` among the decoders, before them")
     results: dict[str, list[DecodeResult]] = {run.label: [] for run in runs}
-    for scene in scenes[warmup:]:
+    for k, scene in enumerate(scenes):
+        answers: dict[str, DecodeResult] = {}
         for run in runs:
-            results[run.label].append(run.planner.plan(scene, run.decoder, **run.options))
-            if on_result:
-                on_result()
+            options = run.options | ({"drafts": answers["ar"].token_ids} if run.oracle else {})
+            answers[run.label] = run.planner.plan(scene, run.decoder, **options)
+            if k >= warmup:
+                results[run.label].append(answers[run.label])
+                if on_result:
+                    on_result()
     return results
 
 
