@@ -26,7 +26,7 @@ from fastddrive.decode.confidence import masked_rows
 from fastddrive.decode.result import Decoded
 from fastddrive.decode.state import Canvas, TokenPicker, greedy
 from fastddrive.kv_cache import KVCache
-from fastddrive.masks import CAUSAL, FULL, block_mask
+from fastddrive.masks import CAUSAL, FULL, as_pattern, block_mask
 from fastddrive.model import BlockDiffusionModel, PromptInputs
 from fastddrive.scaffold import DEFAULT_BLOCK_SIZE, Scaffold
 
@@ -252,7 +252,7 @@ def run_rows(model: BlockDiffusionModel, cache: KVCache, speculations: Sequence[
             m = len(feed.tokens)
             tokens.append(feed.tokens + [pad] * (n - m))
             pattern = torch.eye(n, dtype=torch.bool)
-            pattern[:m, :m] = _as_tensor(feed.pattern, m)
+            pattern[:m, :m] = as_pattern(feed.pattern, m)
             patterns.append(pattern)
             steps = torch.arange(m) if feed.offsets is None else feed.offsets
             offsets.append(torch.cat([steps, steps[-1] + 1 + torch.arange(n - m)]))
@@ -261,12 +261,6 @@ def run_rows(model: BlockDiffusionModel, cache: KVCache, speculations: Sequence[
         for row, (speculation, feed) in enumerate(zip(speculations, feeds, strict=True)):
             if feed is not None:
                 speculation.receive(logits[row, : len(feed.tokens)])
-
-
-def _as_tensor(pattern: torch.Tensor | str, m: int) -> torch.Tensor:
-    if isinstance(pattern, torch.Tensor):
-        return pattern
-    return block_mask(m, m if pattern == CAUSAL else 0)
 
 
 def scaffold_speculative_decode(
