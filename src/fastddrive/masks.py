@@ -130,8 +130,16 @@ class DecodeMasks:
         patterns = pattern[None] if isinstance(pattern, torch.Tensor) else torch.stack(list(pattern))
         if patterns.shape[1:] != (n, n) or len(patterns) not in (1, len(lengths)):
             raise ValueError(f"need one ({n}, {n}) pattern, or one per row for {len(lengths)} rows")
-        length = torch.tensor(lengths)[:, None, None]
-        new = torch.arange(max(lengths) + n)[None, None, :] - length  # key index relative to the row's new tokens
-        inside = (new >= 0) & (new < n)
-        seen = torch.gather(patterns.expand(len(lengths), n, n), 2, new.clamp(0, n - 1).expand(-1, n, -1))
-        return ((new < 0) | (inside & seen))[:, None].to(self.device)
+        patterns = patterns.expand(len(lengths), n, n)
+        return rows_mask(torch.tensor(lengths), patterns, max(lengths) + n).to(self.device)
+
+
+def rows_mask(lengths: torch.Tensor, patterns: torch.Tensor, keys: int) -> torch.Tensor:
+    """Allowed attention (rows, 1, n, keys) of n new tokens per row written after each row's `lengths`
+    cached positions: the prefix visible, new token j by patterns[row, :, j], anything later hidden.
+    Device ops only, so it can run inside a CUDA graph."""
+    n = patterns.shape[-1]
+    new = torch.arange(keys, device=lengths.device)[None] - lengths[:, None]  # key index relative to the new tokens
+    inside = (new >= 0) & (new < n)
+    seen = torch.gather(patterns, 2, new.clamp(0, n - 1)[:, None].expand(-1, n, -1))
+    return ((new < 0)[:, None] | (inside[:, None] & seen))[:, None]

@@ -321,20 +321,11 @@ class BlockDiffusionModel:
             features = self.core.model.get_image_features(vision["pixel_values"], vision["image_grid_thw"])
             image = torch.cat(list(features.pooler_output)).to(embeds.dtype)
             embeds = embeds.masked_scatter((ids == self.image_token_id)[..., None], image)
-        config = self.text_model.config
         n = ids.shape[1]
         if self.static is not None:
             cache = self.static.cache(1, int(deltas[0]), n + room)
         else:
-            cache = KVCache(
-                config.num_hidden_layers,
-                config.num_key_value_heads,
-                self.text_model.layers[0].self_attn.head_dim,
-                n + room,
-                self.dtype,
-                self.device,
-                rope_delta=int(deltas[0]),
-            )
+            cache = self.empty_cache(n + room, rope_delta=int(deltas[0]))
         cos, sin = self.text_model.rotary_emb(embeds, self.on_device(positions))
         rope = (cos[0][:, None], _sign_folded(sin[0])[:, None])
         hidden = self.layer_stack(embeds[0], 1, rope, cache.write, None, is_causal=True)
@@ -402,6 +393,21 @@ class BlockDiffusionModel:
         cache.advance(n if keep is None else keep)
         self._forwarded()
         return logits
+
+    def empty_cache(self, capacity: int, rows: int = 1, rope_delta: int = 0) -> KVCache:
+        """A decode cache shaped for this model's text decoder."""
+        config = self.text_model.config
+        head_dim = self.text_model.layers[0].self_attn.head_dim
+        return KVCache(
+            config.num_hidden_layers,
+            config.num_key_value_heads,
+            head_dim,
+            capacity,
+            self.dtype,
+            self.device,
+            rows,
+            rope_delta,
+        )
 
     def fork(self, cache: KVCache, rows: int) -> KVCache:
         """`rows` rows of one batched cache, each continuing the single-row `cache` (`KVCache.fork`)."""

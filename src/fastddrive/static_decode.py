@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from fastddrive.kv_cache import KVCache
+from fastddrive.masks import rows_mask
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)  # new tokens per row; a longer forward runs eagerly
 CAPACITY_STEP = 512  # a static cache holds a multiple of this many positions per row (attention reads them all)
@@ -52,17 +53,7 @@ class StaticDecoder:
         Graphs read its tensors, so it is replaced (and its shapes recaptured) only when too small."""
         capacity = -(-(needed + BUCKETS[-1]) // CAPACITY_STEP) * CAPACITY_STEP
         if rows not in self.caches or self.caches[rows].capacity < capacity:
-            config = self.model.text_model.config
-            head_dim = self.model.text_model.layers[0].self_attn.head_dim
-            self.caches[rows] = KVCache(
-                config.num_hidden_layers,
-                config.num_key_value_heads,
-                head_dim,
-                capacity,
-                self.model.dtype,
-                self.model.device,
-                rows,
-            )
+            self.caches[rows] = self.model.empty_cache(capacity, rows)
             self.forget(rows)
         cache = self.caches[rows]
         cache.lengths = [0] * rows
@@ -148,10 +139,7 @@ class StaticDecoder:
         flat = shape.positions.reshape(-1)
         rope = (cos[flat], sin[flat])
         at = shape.lengths[:, None] + torch.arange(bucket, device=shape.ids.device)  # where the new tokens go
-        relative = torch.arange(cache.capacity, device=shape.ids.device)[None] - shape.lengths[:, None]
-        inside = (relative >= 0) & (relative < bucket)
-        seen = torch.gather(shape.pattern, 2, relative.clamp(0, bucket - 1)[:, None].expand(-1, bucket, -1))
-        mask = ((relative < 0)[:, None] | (inside[:, None] & seen))[:, None]
+        mask = rows_mask(shape.lengths, shape.pattern, cache.capacity)
 
         def store(layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return cache.write_at(layer, keys, values, at)
