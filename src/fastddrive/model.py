@@ -107,7 +107,7 @@ class DecodeWeights:
                     mlp_norm=_doubled(layer.post_attention_layernorm.weight),
                     gate_up=torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]),
                     down=mlp.down_proj.weight.detach(),
-                    act=mlp.act_fn,
+                    act=F.silu if text_model.config.hidden_act == "silu" else mlp.act_fn,  # no Module call
                 )
             )
         first = text_model.layers[0].self_attn
@@ -179,11 +179,12 @@ class BlockDiffusionModel:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        # The embedding table, not next(parameters()): that walks every module on each call.
+        return self.text_model.embed_tokens.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+        return self.text_model.embed_tokens.weight.dtype
 
     def use_static_shapes(self, graphs: bool = True) -> None:
         """Run decode forwards at fixed shapes over persistent caches, replayed as CUDA graphs on a GPU
