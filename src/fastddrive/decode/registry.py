@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from fastddrive.decode.ar import ar_decode, ar_jump_decode
 from fastddrive.decode.fullseq import full_sequence_decode
+from fastddrive.decode.jacobi import jacobi_decode
 from fastddrive.decode.mdm import mdm_decode, section_diffusion_decode
 from fastddrive.decode.meter import ForwardMeter, synchronize
 from fastddrive.decode.quadratic import quadratic_speculative_decode
@@ -30,6 +31,7 @@ DECODERS: dict[str, DecoderFn] = {
     "ar": ar_decode,
     "ar-jump": ar_jump_decode,
     "fullseq": full_sequence_decode,
+    "jacobi": jacobi_decode,
     "mdm": mdm_decode,
     "sd": section_diffusion_decode,
     "selfspec": self_speculative_decode,
@@ -37,7 +39,8 @@ DECODERS: dict[str, DecoderFn] = {
     "ss": scaffold_speculative_decode,
     "tts": trajectory_rollouts_decode,
 }
-LOSSLESS = ("ar-jump", "ss", "selfspec", "selfspec-quad")  # token-for-token equal to greedy `ar`
+LOSSLESS = ("ar-jump", "ss", "selfspec", "selfspec-quad", "jacobi")  # token-for-token equal to greedy `ar`
+ON_AR_MODELS = ("ar", "jacobi")  # decoders that need only the AR head (the others need a block-diffusion model)
 
 
 class DecoderError(ValueError):
@@ -87,9 +90,10 @@ def decode(
     """Run decoder `name` on one prompt and measure it."""
     fn = get_decoder(name)
     check_options(name, options)
-    if model.info.kind == "autoregressive" and name != "ar":
+    if model.info.kind == "autoregressive" and name not in ON_AR_MODELS:
         raise DecoderError(
-            f"decoder {name!r} needs a block-diffusion checkpoint; this one is an AR model (only 'ar' runs on it)"
+            f"decoder {name!r} needs a block-diffusion checkpoint; this one is an AR model"
+            f" (these run on it: {', '.join(ON_AR_MODELS)})"
         )
     meter = ForwardMeter()
     began = time.perf_counter()
