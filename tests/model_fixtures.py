@@ -72,3 +72,26 @@ def synthetic_sample(seed: int = 0) -> DrivingSample:
         response=response,
         view=CameraView(5.5, (134.4, 112.0), 0.0),
     )
+
+
+WEIGHT_SCALE = 10.0  # untrained tiny models at their initial scale write one token everywhere
+
+
+def peaky_case(kind: str, seed: int):
+    """A random Qwen2 or Qwen2.5-VL model in float64 whose weights are scaled so that greedy outputs vary
+    with the context, a prompt of a synthetic sample, and the scaffold."""
+    import torch
+
+    from fastddrive.planner import prompt_inputs
+    from fastddrive.scaffold import Scaffold
+
+    # float64: near-equal logits must not order differently in a one-token and a block forward.
+    model = (vision_model if kind == "qwen2.5-vl" else text_model)(seed=seed)
+    model.model.double()
+    with torch.no_grad():
+        for name, parameter in model.model.named_parameters():
+            if "norm" not in name and "visual" not in name:
+                parameter.mul_(WEIGHT_SCALE)  # peaky logits, so that greedy outputs vary with the context
+    sample = synthetic_sample(seed)
+    prompt = prompt_inputs(model, sample.command, sample.history, [sample.image])
+    return model, prompt, Scaffold(model.tokenizer)

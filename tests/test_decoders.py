@@ -16,30 +16,15 @@ from fastddrive.decode.speculative import Speculation, fused_layout, run, ss_nfe
 from fastddrive.decode.state import Canvas, sampler
 from fastddrive.masks import block_mask
 from fastddrive.model import BlockDiffusionModel
-from fastddrive.planner import Planner, load, prompt_inputs
+from fastddrive.planner import Planner, load
 from fastddrive.scaffold import Scaffold
 from fastddrive.schema import parse
-from model_fixtures import synthetic_sample, text_model, vision_model
-
-WEIGHT_SCALE = 10.0  # untrained tiny models at their initial scale write one token everywhere
-
-
-def _random_case(kind: str, seed: int):
-    # float64: near-equal logits must not order differently in a one-token and a block forward.
-    model = (vision_model if kind == "qwen2.5-vl" else text_model)(seed=seed)
-    model.model.double()
-    with torch.no_grad():
-        for name, parameter in model.model.named_parameters():
-            if "norm" not in name and "visual" not in name:
-                parameter.mul_(WEIGHT_SCALE)  # peaky logits, so that greedy outputs vary with the context
-    sample = synthetic_sample(seed)
-    prompt = prompt_inputs(model, sample.command, sample.history, [sample.image])
-    return model, prompt, Scaffold(model.tokenizer)
+from model_fixtures import peaky_case
 
 
 @pytest.fixture(scope="module", params=[("qwen2", 0), ("qwen2.5-vl", 2)])
 def random_case(request):
-    model, prompt, scaffold = _random_case(*request.param)
+    model, prompt, scaffold = peaky_case(*request.param)
     reference = decode("ar", model, prompt, scaffold).token_ids
     values = [t for t, v in zip(reference, scaffold.is_value, strict=True) if v]
     assert len(set(values)) > 20  # the reference varies, so equal ids are not a coincidence
@@ -316,7 +301,7 @@ def test_tts_answer_is_the_shared_prefix_with_the_averaged_trajectory(embedded, 
 def test_the_sampled_verifier_draws_exact_ar_samples(monkeypatch):
     """Rollouts whose drafts are the AR head's argmax, accepted only where they equal the sample, commit
     values that follow the AR softmax (chi-square on the trajectory's first value over 2000 rollouts)."""
-    model, prompt, scaffold = _random_case("qwen2", 5)
+    model, prompt, scaffold = peaky_case("qwen2", 5)
     temperature, rollouts = 2.0, 2000
     blocks = section_blocks(scaffold, 32)
     start = scaffold.section_spans["trajectory"][0]
@@ -359,7 +344,7 @@ def test_unknown_decoder_and_unknown_option_are_named(embedded, scenes):
     assert decoder_options("ar-jump") == {"temperature": 0.0, "seed": 0}
 
 
-def test_only_ar_runs_on_an_autoregressive_checkpoint(scenes):
+def test_only_ar_head_decoders_run_on_an_autoregressive_checkpoint(scenes):
     planner = load("default-ar")
     assert planner.plan(scenes[0], "ar").response is not None
     with pytest.raises(DecoderError, match="needs a block-diffusion checkpoint"):

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from fastddrive.decode.ar import ar_decode, ar_jump_decode
 from fastddrive.decode.fullseq import full_sequence_decode
 from fastddrive.decode.jacobi import jacobi_decode
+from fastddrive.decode.jacobi_mr import jacobi_mr_decode
 from fastddrive.decode.mdm import mdm_decode, section_diffusion_decode
 from fastddrive.decode.meter import ForwardMeter, synchronize
 from fastddrive.decode.quadratic import quadratic_speculative_decode
@@ -32,6 +33,7 @@ DECODERS: dict[str, DecoderFn] = {
     "ar-jump": ar_jump_decode,
     "fullseq": full_sequence_decode,
     "jacobi": jacobi_decode,
+    "jacobi-mr": jacobi_mr_decode,
     "mdm": mdm_decode,
     "sd": section_diffusion_decode,
     "selfspec": self_speculative_decode,
@@ -39,8 +41,12 @@ DECODERS: dict[str, DecoderFn] = {
     "ss": scaffold_speculative_decode,
     "tts": trajectory_rollouts_decode,
 }
-LOSSLESS = ("ar-jump", "ss", "selfspec", "selfspec-quad", "jacobi")  # token-for-token equal to greedy `ar`
-ON_AR_MODELS = ("ar", "jacobi")  # decoders that need only the AR head (the others need a block-diffusion model)
+LOSSLESS = ("ar-jump", "ss", "selfspec", "selfspec-quad", "jacobi", "jacobi-mr")  # token-for-token equal to greedy `ar`
+ON_AR_MODELS = (
+    "ar",
+    "jacobi",
+    "jacobi-mr",
+)  # decoders that need only the AR head (the others need a block-diffusion model)
 
 
 class DecoderError(ValueError):
