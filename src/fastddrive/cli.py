@@ -310,7 +310,7 @@ def train_command(
     init_from: Annotated[str | None, typer.Option(help="Starting checkpoint (overrides the config).")] = None,
     resume: Annotated[bool, typer.Option(help="Continue from the last valid checkpoint in --out.")] = False,
 ) -> None:
-    """Train with the AR or SASD recipe; checkpoints are atomic and --resume continues exactly."""
+    """Train with the AR, SASD or Jacobi Forcing recipe; checkpoints are atomic and --resume continues exactly."""
     from fastddrive.train.config import load_config
     from fastddrive.train.loop import train
 
@@ -330,7 +330,8 @@ def train_command(
         if not progress.live.is_started:
             progress.start()
             progress.update(task, completed=step - 1)
-        note = f"loss {metrics['loss']:.3f} (noisy {metrics['noisy_loss']:.3f}, clean {metrics['clean_loss']:.3f})"
+        noisy, clean = ("consistency", "AR") if settings.recipe == "jf" else ("noisy", "clean")
+        note = f"loss {metrics['loss']:.3f} ({noisy} {metrics['noisy_loss']:.3f}, {clean} {metrics['clean_loss']:.3f})"
         if "val_ade5" in metrics:
             progress.console.print(
                 f"step {step}: val loss {metrics['val_loss']:.3f}, greedy-AR ADE@3s {metrics['val_ade3']:.2f} m, "
@@ -346,6 +347,58 @@ def train_command(
     console.print(
         f"trained {report.steps - report.resumed_from} steps in {report.seconds:.0f} s "
         f"({report.steps_per_second:.2f} steps/s); final model in {report.final}"
+    )
+
+
+@app.command("trajectories")
+def trajectories_command(
+    out: Annotated[Path, typer.Option(help="Folder for the trajectory shards and their manifest.")],
+    model: Annotated[str, typer.Option(help="The AR teacher: 'default-ar' or a local AR model folder.")] = "default-ar",
+    data: Annotated[Path, typer.Option(help="Dataset folder.")] = Path("runs/sim"),
+    split: Annotated[str, typer.Option(help="train, val or test.")] = "train",
+    samples: Annotated[int, typer.Option(help="How many samples of the split (chosen by --seed).")] = 400,
+    block_size: Annotated[int, typer.Option(help="Jacobi block size n.")] = 16,
+    seed: Annotated[int, typer.Option(help="Seed of the sample choice and of each sample's initial guesses.")] = 0,
+) -> None:
+    """Collect the teacher's Jacobi trajectories for Jacobi Forcing (paper 003); a rerun resumes."""
+    import fastddrive
+    from fastddrive.train.trajectories import Trajectory, collect_trajectories, plan_collection
+
+    with user_errors():
+        plan = plan_collection(model, data, split, samples, block_size, seed, out)
+        planner = fastddrive.load(model)
+    progress = _progress()
+    task = progress.add_task("trajectories", total=None, note="")
+    totals = {"tokens": 0, "forwards": 0}
+
+    def on_start(todo: int, done: int) -> None:
+        if done:
+            console.print(f"resuming: {done} of {todo + done} samples already collected")
+        progress.update(task, total=todo)
+        progress.start()
+
+    def on_sample(trajectory: Trajectory) -> None:
+        totals["tokens"] += len(trajectory.answer)
+        totals["forwards"] += trajectory.forwards
+        note = f"{totals['tokens'] / max(totals['forwards'], 1):.2f} tokens/forward"
+        progress.update(task, advance=1, note=note)
+
+    try:
+        with user_errors():
+            report = collect_trajectories(
+                plan, planner.model, planner.scaffold, on_start, on_sample, say=progress.console.print
+            )
+    except KeyboardInterrupt:
+        progress.stop()
+        console.print(f"interrupted: the shards written so far are kept in {out}; rerun the same command to resume")
+        raise typer.Exit(130) from None
+    finally:
+        progress.stop()
+    console.print(
+        f"collected {report.collected} trajectories in {report.seconds:.0f} s "
+        f"({report.tokens / max(report.forwards, 1):.2f} tokens/forward after the prefill)"
+        + (f", kept {report.skipped} already collected" if report.skipped else "")
+        + f"; in {out}"
     )
 
 

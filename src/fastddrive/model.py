@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -166,6 +167,7 @@ class BlockDiffusionModel:
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self.decode_weights: DecodeWeights | None = None
         self.static: StaticDecoder | None = None  # fixed-shape forwards (CUDA graphs on a GPU), or eager
+        self.source: Path | None = None  # the folder it was loaded from (files kept beside the weights)
 
     @property
     def core(self) -> PreTrainedModel:
@@ -488,3 +490,33 @@ class BlockDiffusionModel:
             **vision,
         ).logits
         return logits[:, : k * r].reshape(batch, k, r, logits.shape[-1]), logits[:, k * r :]
+
+    def packed_logits(
+        self,
+        input_ids: torch.Tensor,
+        clean_ids: torch.Tensor,
+        clean_index: torch.Tensor,
+        allowed: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One forward of packed sequences (B, L) under an allowed-attention pattern (B, L, L); logits (B, L, V).
+
+        Packed token j of row b sits at the rotary position of clean token clean_index[b, j] of the row's
+        clean sequence clean_ids (B, Lc) (mRoPE included), so a copy of a clean token is placed where it
+        stands; the Jacobi Forcing sequence of paper 003 section 3.1 packs noisy blocks this way. Image
+        tokens appear once, in the packed prompt.
+        """
+        clean_positions, _ = self._rope_positions(clean_ids, image_grid_thw)
+        if self.is_vision:
+            positions = torch.gather(clean_positions, 2, clean_index[None].expand(3, -1, -1))
+        else:
+            positions = torch.gather(clean_positions, 1, clean_index)
+        vision = self._vision_kwargs(PromptInputs(input_ids, pixel_values, image_grid_thw))
+        return self.model(
+            input_ids=self.on_device(input_ids),
+            position_ids=self.on_device(positions),
+            attention_mask=self.on_device(additive_mask(allowed, self.dtype)),
+            use_cache=False,
+            **vision,
+        ).logits

@@ -58,6 +58,7 @@ def load_model(
     if model_class is Qwen2_5_VLForConditionalGeneration:
         image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(path), local_files_only=True)
     wrapper = BlockDiffusionModel(model.to(device), tokenizer, image_processor, info)
+    wrapper.source = path
     if training:
         ensure_diffusion_tokens(wrapper)
     elif info.kind == "block-diffusion":

@@ -18,6 +18,7 @@ from fastddrive.decode.jacobi import jacobi_decode
 from fastddrive.decode.jacobi_mr import jacobi_mr_decode
 from fastddrive.decode.mdm import mdm_decode, section_diffusion_decode
 from fastddrive.decode.meter import ForwardMeter, synchronize
+from fastddrive.decode.pvf import pvf_decode
 from fastddrive.decode.quadratic import quadratic_speculative_decode
 from fastddrive.decode.result import Decoded, DecodeResult
 from fastddrive.decode.speculative import scaffold_speculative_decode, self_speculative_decode
@@ -35,6 +36,7 @@ DECODERS: dict[str, DecoderFn] = {
     "jacobi": jacobi_decode,
     "jacobi-mr": jacobi_mr_decode,
     "mdm": mdm_decode,
+    "pvf": pvf_decode,
     "sd": section_diffusion_decode,
     "selfspec": self_speculative_decode,
     "selfspec-quad": quadratic_speculative_decode,

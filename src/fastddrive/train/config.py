@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from fastddrive.schema import SECTIONS
 
@@ -32,13 +32,14 @@ class TinyArchitecture(BaseModel):
 
 
 class TrainConfig(BaseModel):
-    """One training run. `recipe`: `ar` (causal LM loss only, the AR baseline) or `sasd` (paper 000 section
-    3.2 on the dual-stream objective of paper 002 section 3.3)."""
+    """One training run. `recipe`: `ar` (causal LM loss only, the AR baseline), `sasd` (paper 000 section
+    3.2 on the dual-stream objective of paper 002 section 3.3) or `jf` (Jacobi Forcing, paper 003 section
+    3.1: an AR model trained on its own Jacobi trajectories; it stays an AR model)."""
 
     model_config = ConfigDict(extra="forbid")
 
     name: str
-    recipe: Literal["ar", "sasd"]
+    recipe: Literal["ar", "sasd", "jf"]
     init_from: str = Field(description="'scratch', 'embedded:NAME', or a local checkpoint folder")
     data: str = "runs/sim"
     out: str = "runs/model"
@@ -71,6 +72,12 @@ class TrainConfig(BaseModel):
         "future_meta_behavior": (1.0, 1.5),
         "trajectory": (2.0, 1.0),
     }
+    # Jacobi Forcing: the trajectories folder (`fastddrive trajectories`), the block size it was collected
+    # at, the window w of the progressive noise schedule (Eq. 7) and the AR loss weight w of Eq. 9.
+    trajectories: str | None = Field(default=None, validate_default=True)
+    jacobi_block_size: int = Field(default=16, ge=1)
+    noise_window: int = Field(default=16, ge=1)
+    ar_weight: float = Field(default=1.0, ge=0)
     explanation_budget: int = 32
     checkpoint_every: int = 200
     keep_checkpoints: int = 2
@@ -88,6 +95,13 @@ class TrainConfig(BaseModel):
         missing = set(SECTIONS) - set(value)
         if missing:
             raise ValueError(f"missing sections: {', '.join(sorted(missing))}")
+        return value
+
+    @field_validator("trajectories")
+    @classmethod
+    def _jf_reads_trajectories(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("recipe") == "jf" and value is None:
+            raise ValueError("the jf recipe needs a trajectories folder (collect one with `fastddrive trajectories`)")
         return value
 
     @field_validator("block_size")

@@ -43,7 +43,8 @@ from fastddrive.train.checkpoint import (
 )
 from fastddrive.train.collate import Batch, DualStreamCollator
 from fastddrive.train.config import ConfigError, TrainConfig
-from fastddrive.train.losses import LossParts, sasd_loss
+from fastddrive.train.jacobi_forcing import JacobiForcingBatch, JacobiForcingCollator
+from fastddrive.train.losses import LossParts, jacobi_forcing_loss, sasd_loss
 from fastddrive.train.noise import annealed_block_size
 
 LOG_FILE = "log.csv"
@@ -90,7 +91,7 @@ def initial_model(config: TrainConfig) -> BlockDiffusionModel:
         wrapper = load_model(path, training=True)
     ensure_diffusion_tokens(wrapper)
     wrapper.info = CheckpointInfo(
-        kind="autoregressive" if config.recipe == "ar" else "block-diffusion",
+        kind="block-diffusion" if config.recipe == "sasd" else "autoregressive",
         mask_token_id=wrapper.info.mask_token_id,
         null_token_id=wrapper.info.null_token_id,
         explanation_budget=config.explanation_budget,
@@ -111,6 +112,20 @@ def batch_loss(noisy: torch.Tensor, clean: torch.Tensor, batch: Batch, config: T
         config.alpha,
         config.beta,
         clean_weights=batch.clean_weights,
+    )
+
+
+def jf_loss(logits: torch.Tensor, batch: JacobiForcingBatch, config: TrainConfig) -> LossParts:
+    """Jacobi Forcing's objective (paper 003 Eq. 9) on one packed batch's logits."""
+    return jacobi_forcing_loss(
+        logits,
+        batch.teacher,
+        batch.student,
+        batch.pair_weights,
+        batch.blocks,
+        batch.labels,
+        batch.label_weights,
+        config.ar_weight,
     )
 
 
@@ -195,7 +210,11 @@ def train(
     model = load_model(checkpoint.path, training=True) if checkpoint else initial_model(config)
     model.model.to(accelerator.device).train()
     scaffold = Scaffold(model.tokenizer, explanation_budget=config.explanation_budget)
-    collator = DualStreamCollator(model, scaffold, config)
+    # A Jacobi Forcing model stays an AR model: it is validated as the AR recipe's are.
+    jacobi = JacobiForcingCollator(model, scaffold, config) if config.recipe == "jf" else None
+    collator = DualStreamCollator(
+        model, scaffold, config.model_copy(update={"recipe": "ar"}) if jacobi is not None else config
+    )
     dataset = DrivingDataset.open(config.data)
     rows = dataset.table("train").to_pylist()
     if not rows:
@@ -220,17 +239,24 @@ def train(
     window_start, window_steps = time.perf_counter(), 0
     end = min(config.steps, stop_after) if stop_after is not None else config.steps
     for step in range(start, end):
-        picks = np.random.default_rng([config.seed, step]).choice(len(rows), config.batch_size * world)
+        pool = len(jacobi) if jacobi is not None else len(rows)
+        picks = np.random.default_rng([config.seed, step]).choice(pool, config.batch_size * world)
         mine = picks[rank * config.batch_size : (rank + 1) * config.batch_size]
-        block = annealed_block_size(step / config.steps, config.block_size, config.anneal_block_size)
-        batch = collator(
-            [collator.example(from_row(rows[i])) for i in mine],
-            block,
-            np.random.default_rng([config.seed, step, rank, 1]),
-        )
-        with accelerator.autocast():
-            noisy, clean = model.dual_stream_logits(**batch.forward_inputs())
-            parts = batch_loss(noisy, clean, batch, config)
+        if jacobi is not None:
+            block = config.jacobi_block_size
+            packed = jacobi(mine)
+            with accelerator.autocast():
+                parts = jf_loss(model.packed_logits(**packed.forward_inputs()), packed, config)
+        else:
+            block = annealed_block_size(step / config.steps, config.block_size, config.anneal_block_size)
+            batch = collator(
+                [collator.example(from_row(rows[i])) for i in mine],
+                block,
+                np.random.default_rng([config.seed, step, rank, 1]),
+            )
+            with accelerator.autocast():
+                noisy, clean = model.dual_stream_logits(**batch.forward_inputs())
+                parts = batch_loss(noisy, clean, batch, config)
         accelerator.backward(parts.total)
         if config.grad_clip:
             accelerator.clip_grad_norm_(model.model.parameters(), config.grad_clip)

@@ -1,4 +1,5 @@
-"""The joint objective: alpha * section-weighted MDM loss + beta * causal LM loss (paper 000 Eq. 3-4)."""
+"""Training objectives: SASD's alpha * section-weighted MDM loss + beta * causal LM loss (paper 000 Eq. 3-4),
+and Jacobi Forcing's progressive consistency loss + w * causal LM loss (paper 003 Eq. 8-9)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,17 @@ class LossParts:
     masked_tokens: int
 
 
+def weighted_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Cross-entropy at labelled positions, scaled by `weights` where given, over the labelled count."""
+    targets = labels.flatten().to(logits.device)
+    per_token = F.cross_entropy(logits.flatten(0, -2).float(), targets, reduction="none", ignore_index=IGNORE)
+    if weights is not None:
+        per_token = per_token * weights.flatten().to(per_token.device)
+    return per_token.sum() / (targets != IGNORE).sum().clamp(min=1)
+
+
 def sasd_loss(
     noisy_logits: torch.Tensor,
     clean_logits: torch.Tensor,
@@ -31,11 +43,7 @@ def sasd_loss(
     """Noisy CE at masked value positions scaled by section weight (mean over masked tokens), plus the
     clean stream's CE on the response's value tokens, scaled by `clean_weights` where given (mean over
     labelled tokens); for the AR recipe (no noisy copies) only the latter."""
-    targets = clean_labels.flatten().to(clean_logits.device)
-    per_clean = F.cross_entropy(clean_logits.flatten(0, -2).float(), targets, reduction="none", ignore_index=IGNORE)
-    if clean_weights is not None:
-        per_clean = per_clean * clean_weights.flatten().to(per_clean.device)
-    clean = per_clean.sum() / (targets != IGNORE).sum().clamp(min=1)
+    clean = weighted_cross_entropy(clean_logits, clean_labels, clean_weights)
     labels = noisy_labels.flatten().to(noisy_logits.device)
     masked = int((labels != IGNORE).sum())
     if masked == 0:
@@ -44,3 +52,34 @@ def sasd_loss(
     per_token = F.cross_entropy(noisy_logits.flatten(0, -2).float(), labels, reduction="none", ignore_index=IGNORE)
     noisy = (per_token * noisy_weights.flatten().to(per_token.device)).sum() / masked
     return LossParts(alpha * noisy + beta * clean, noisy, clean, masked)
+
+
+def consistency_loss(
+    teacher_logits: torch.Tensor, student_logits: torch.Tensor, weights: torch.Tensor, blocks: int
+) -> torch.Tensor:
+    """Paper 003 Eq. 8: KL(p_teacher || p_student) per token pair, the teacher's side under stop-grad, averaged
+    within each block by `weights` (1 / the block's pairs) and over the `blocks` blocks."""
+    teacher = F.log_softmax(teacher_logits.detach().float(), dim=-1)
+    student = F.log_softmax(student_logits.float(), dim=-1)
+    per_token = F.kl_div(student, teacher, reduction="none", log_target=True).sum(-1)
+    return (per_token * weights.to(per_token.device)).sum() / max(blocks, 1)
+
+
+def jacobi_forcing_loss(
+    logits: torch.Tensor,
+    teacher: torch.Tensor,
+    student: torch.Tensor,
+    pair_weights: torch.Tensor,
+    blocks: int,
+    labels: torch.Tensor,
+    label_weights: torch.Tensor,
+    ar_weight: float,
+) -> LossParts:
+    """Paper 003 Eq. 9 on packed logits (B, L, V): the progressive consistency loss between the clean
+    (teacher) and noisy (student) positions given as flat indices into (B * L), plus `ar_weight` times the
+    section-weighted causal LM loss of the clean stream. `noisy` holds the former, `clean` the latter."""
+    flat = logits.flatten(0, 1)
+    device = flat.device
+    consistency = consistency_loss(flat[teacher.to(device)], flat[student.to(device)], pair_weights, blocks)
+    ar = weighted_cross_entropy(logits, labels, label_weights)
+    return LossParts(consistency + ar_weight * ar, consistency, ar, len(teacher))
