@@ -216,3 +216,39 @@ def test_bench_times_decoders_on_the_same_scenes_and_writes_json_and_png(small_d
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     bad = _run("bench", "--data", small_dataset, "--decoders", "ss:tau=0.5")
     assert bad.exit_code == 2 and "takes no option 'tau'" in bad.output
+
+
+def test_pvf_calibrate_writes_a_vocabulary_that_pvf_reads(small_dataset, tmp_path):
+    out = tmp_path / "vocabulary.json"
+    result = _run("pvf", "calibrate", "--data", small_dataset, "--split", "test", "--samples", 2, "--out", out)
+    assert result.exit_code == 0, result.output
+    assert "planning vocabulary of default" in result.output
+    written = json.loads(out.read_text())
+    assert written["settings"]["split"] == "test"
+    planned = _run(
+        "plan", "--data", small_dataset, "--split", "test", "--decoder", "pvf", "--option", f"vocabulary={out}"
+    )
+    assert planned.exit_code == 0, planned.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--split", "nope"), "unknown split 'nope'"),
+        (("--samples", 0), "greater than or equal to 1"),
+    ],
+)
+def test_pvf_calibrate_refuses_bad_input(small_dataset, args, message):
+    result = _run("pvf", "calibrate", "--data", small_dataset, *args)
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_plan_with_a_malformed_vocabulary_names_the_file(small_dataset, tmp_path):
+    bad = tmp_path / "broken.json"
+    bad.write_text("{not json")
+    result = _run(
+        "plan", "--data", small_dataset, "--split", "test", "--decoder", "pvf", "--option", f"vocabulary={bad}"
+    )
+    assert result.exit_code == 2
+    assert "broken.json" in result.output

@@ -115,7 +115,7 @@ def scenes():
     return [episode_samples(name, 91_000 + k, max_duration_s=9)[0] for k, name in enumerate(SCENARIOS)]
 
 
-@pytest.mark.parametrize("name", ["default", "default-ar"])
+@pytest.mark.parametrize("name", ["default", "default-ar", "default-jf"])
 def test_jacobi_decoders_equal_ar_on_the_embedded_models(name, scenes):
     planner = load(name)
     for scene in scenes:

@@ -25,8 +25,10 @@ from rich.table import Table
 app = typer.Typer(help="Fast block-diffusion driving planners.", no_args_is_help=True, add_completion=False)
 data_app = typer.Typer(help="Build and inspect driving datasets.", no_args_is_help=True)
 tokenizer_app = typer.Typer(help="Train and inspect tokenizers and their response scaffold.", no_args_is_help=True)
+pvf_app = typer.Typer(help="Plan-Verify-Fill's offline calibration (paper 001 Appendix A.2).", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 app.add_typer(tokenizer_app, name="tokenizer")
+app.add_typer(pvf_app, name="pvf")
 # Piped or logged output gets room for the wide tables instead of rich's 80-column default.
 console = Console(width=None if sys.stdout.isatty() else 160)
 
@@ -37,6 +39,7 @@ def user_errors() -> Iterator[None]:
     from fastddrive.data.build import OutputExists
     from fastddrive.data.highway import UnknownScenario
     from fastddrive.data.sample import DatasetError, SampleError
+    from fastddrive.decode.planning_vocabulary import PlanningVocabularyError
     from fastddrive.decode.registry import DecoderError
     from fastddrive.eval.roofline import RooflineError
     from fastddrive.random_init import UnknownPreset
@@ -55,6 +58,7 @@ def user_errors() -> Iterator[None]:
         ConfigError,
         CheckpointError,
         DecoderError,
+        PlanningVocabularyError,
         RooflineError,
         UnknownPreset,
     )
@@ -402,9 +406,56 @@ def trajectories_command(
     )
 
 
+@pvf_app.command("calibrate")
+def pvf_calibrate(
+    model: Annotated[str, typer.Option(help="'default' or a local block-diffusion model folder.")] = "default",
+    data: Annotated[Path, typer.Option(help="Dataset folder.")] = Path("runs/sim"),
+    split: Annotated[str, typer.Option(help="The calibration split: train, val or test.")] = "val",
+    samples: Annotated[int | None, typer.Option(min=1, help="Calibrate on the first N scenes (default: all).")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Where to write the vocabulary (default: pvf_vocabulary.json in the model).")
+    ] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda, ...")] = "cpu",
+) -> None:
+    """Choose the planning vocabulary of `pvf`: run the base decoder on a split and keep the tokens whose
+    drafts in the calibration band verify often and cut uncertainty (paper 001 Appendix A.2)."""
+    from fastddrive.data.sample import DrivingDataset
+    from fastddrive.eval.pvf_calibration import calibrate_split
+
+    with user_errors():
+        DrivingDataset.open(data).table(split)  # a bad folder or split fails here, before the model loads
+        with _progress() as progress:
+            task = progress.add_task("calibrating", total=None, note="scenes")
+            vocabulary, path = calibrate_split(
+                model,
+                data,
+                split,
+                out=out,
+                samples=samples,
+                device=device,
+                progress=lambda done, total: progress.update(task, completed=done, total=total),
+            )
+    table = Table(title=f"planning vocabulary of {model}: {len(vocabulary.tokens)} tokens")
+    for column in ("token", "id", "events", "verifiable", "verified rate", "gain"):
+        table.add_column(column, justify="left" if column == "token" else "right")
+    for token in vocabulary.tokens:
+        table.add_row(
+            repr(token.text),
+            str(token.id),
+            str(token.events),
+            str(token.verifiable),
+            f"{token.verified_rate:.2f}",
+            f"{token.gain:.3f}",
+        )
+    console.print(table)
+    console.print(f"wrote {path}")
+
+
 @app.command("eval")
 def eval_command(
-    model: Annotated[str, typer.Option(help="'default', 'default-ar', or a local model folder.")] = "default",
+    model: Annotated[
+        str, typer.Option(help="'default', 'default-ar', 'default-jf' or a local model folder.")
+    ] = "default",
     data: Annotated[Path, typer.Option(help="Dataset folder.")] = Path("runs/sim"),
     split: Annotated[str, typer.Option(help="train, val or test.")] = "test",
     decoders: Annotated[str, typer.Option(help="Comma-separated decoders, options as sd:tau=0.0.")] = "ar",
@@ -510,7 +561,9 @@ def _read_history(text: str):
 
 @app.command("plan")
 def plan_command(
-    model: Annotated[str, typer.Option(help="'default', 'default-ar', or a local model folder.")] = "default",
+    model: Annotated[
+        str, typer.Option(help="'default', 'default-ar', 'default-jf' or a local model folder.")
+    ] = "default",
     data: Annotated[Path | None, typer.Option(help="Dataset folder to take the scene from.")] = None,
     split: Annotated[str, typer.Option(help="train, val or test (with --data).")] = "test",
     index: Annotated[int, typer.Option(help="Sample index in the split (with --data).")] = 0,
@@ -573,7 +626,12 @@ def plan_command(
 
 @app.command("bench")
 def bench_command(
-    model: Annotated[str, typer.Option(help="'default' or a local block-diffusion model folder.")] = "default",
+    model: Annotated[
+        str,
+        typer.Option(
+            help="'default', 'default-ar', 'default-jf' or a local model folder (AR models run ar, jacobi, jacobi-mr)."
+        ),
+    ] = "default",
     data: Annotated[Path | None, typer.Option(help="Dataset folder (its --split is used).")] = None,
     split: Annotated[str, typer.Option(help="train, val or test (with --data).")] = "test",
     scenes: Annotated[int, typer.Option(help="Without --data: time this many fresh simulator scenes.")] = 10,
@@ -706,7 +764,9 @@ def _bench_scenes(data: Path | None, split: str, seed: int, needed: int) -> list
 
 @app.command("roofline")
 def roofline_command(
-    model: Annotated[str | None, typer.Option(help="'default', 'default-ar' or a local model folder.")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="'default', 'default-ar', 'default-jf' or a local model folder.")
+    ] = None,
     random_init: Annotated[
         str | None, typer.Option(help="Instead of --model: this architecture with random weights (qwen2.5-vl-3b).")
     ] = None,

@@ -32,7 +32,7 @@ from fastddrive.tokenizer import (
 )
 
 INFO_FILE = "fastddrive.json"
-EMBEDDED_MODELS = {"default": "tiny-sasd", "default-ar": "tiny-ar"}
+EMBEDDED_MODELS = {"default": "tiny-sasd", "default-ar": "tiny-ar", "default-jf": "tiny-jf"}
 
 
 def load_model(
@@ -104,8 +104,8 @@ def save_model(model: BlockDiffusionModel, path: str | Path) -> None:
 
 
 def model_path(name: str) -> Path:
-    """'default' (the embedded tiny-sasd), 'default-ar' (the embedded tiny-ar), another folder under the
-    package's assets, or a local folder."""
+    """'default' (the embedded tiny-sasd), 'default-ar' (the embedded tiny-ar), 'default-jf' (the embedded
+    tiny-jf), another folder under the package's assets, or a local folder."""
     from importlib.resources import files
 
     assets = Path(str(files("fastddrive") / "assets"))
