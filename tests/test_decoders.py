@@ -421,3 +421,15 @@ def test_ss_with_external_drafts_keeps_the_ids_of_ar(embedded, scenes, reference
     assert corrupted.token_ids == reference.token_ids and corrupted.nfe > oracle.nfe
     with pytest.raises(ValueError, match="drafts must hold"):
         embedded.plan(scenes[4], "ss", drafts=[1, 2])
+
+
+def test_fed_tokens_count_what_the_forwards_after_the_prefill_carry(embedded, scenes):
+    plain = embedded.plan(scenes[0], "ar")
+    jump = embedded.plan(scenes[0], "ar-jump")
+    # ar feeds every answer token but the last, one per forward; ar-jump feeds them in runs and stops
+    # after the last value (the scaffold after it needs no forward).
+    assert plain.fed_tokens == len(embedded.scaffold) - 1
+    assert jump.fed_tokens == int(np.flatnonzero(embedded.scaffold.is_value)[-1])
+    assert plain.fed_per_forward == 1.0 and jump.fed_per_forward > 2.0
+    mr = embedded.plan(scenes[0], "jacobi-mr")
+    assert mr.fed_per_forward > jump.fed_per_forward  # drafts, pseudo-active blocks and candidates ride along

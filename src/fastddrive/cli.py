@@ -716,7 +716,8 @@ def _run_bench(runs: list, scenes: list, title: str) -> tuple[list, dict]:
         results = run_decoders(runs, scenes, warmup=1, on_result=lambda: progress.update(task, advance=1))
     rows = summarise(runs, scenes[1:], results)
     table = Table(title=title)
-    columns = ("decoder", "NFE", "tok/NFE", "tok/s", "ms", "p90 ms", "prefill", "decode", "vs ar", "vs ar-jump")
+    columns = ("decoder", "NFE", "tok/NFE", "fed/fwd", "tok/s", "ms", "p90 ms", "prefill", "decode", "vs ar")
+    columns = (*columns, "vs ar-jump")
     columns = (*columns, "vs AR model", "ADE@5s")
     for column in (*columns, "invalid", "same ids as ar"):
         table.add_column(column, justify="left" if column == "decoder" else "right")
@@ -725,6 +726,7 @@ def _run_bench(runs: list, scenes: list, title: str) -> tuple[list, dict]:
             row.label,
             f"{row.nfe:.0f}",
             f"{row.tokens_per_nfe:.2f}",
+            f"{row.fed_per_forward:.1f}",
             f"{row.tokens_per_s:.0f}",
             f"{row.latency_ms:.1f}",
             f"{row.p90_latency_ms:.1f}",

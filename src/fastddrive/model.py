@@ -162,7 +162,8 @@ class BlockDiffusionModel:
         self.info = info or CheckpointInfo()
         self.is_vision = isinstance(model, Qwen2_5_VLForConditionalGeneration)
         self.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) if self.is_vision else None
-        self.forward_hooks: list[Callable[[], None]] = []  # called after every forward (NFE counting)
+        # Called after every forward with the tokens it carried (NFE and tokens-per-forward counting).
+        self.forward_hooks: list[Callable[[int], None]] = []
         self._masks: DecodeMasks | None = None
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self.decode_weights: DecodeWeights | None = None
@@ -307,9 +308,9 @@ class BlockDiffusionModel:
         weights = self.decode_weights
         return F.linear(weights.norm(hidden, weights.final_norm), weights.head)
 
-    def _forwarded(self) -> None:
+    def _forwarded(self, tokens: int) -> None:
         for hook in self.forward_hooks:
-            hook()
+            hook(tokens)
 
     @torch.no_grad()
     def prefill(self, prompt: PromptInputs, room: int = RESPONSE_ROOM) -> tuple[torch.Tensor, KVCache]:
@@ -333,7 +334,7 @@ class BlockDiffusionModel:
         rope = (cos[0][:, None], _sign_folded(sin[0])[:, None])
         hidden = self.layer_stack(embeds[0], 1, rope, cache.write, None, is_causal=True)
         cache.advance(n)
-        self._forwarded()
+        self._forwarded(n)
         return self.head(hidden[-1:])[0], cache
 
     @torch.no_grad()
@@ -374,7 +375,7 @@ class BlockDiffusionModel:
             F.embedding(ids.reshape(-1), self.decode_weights.embed), cache.rows, rope, cache.write, mask, is_causal
         )
         cache.advance(n if keep is None else keep)
-        self._forwarded()
+        self._forwarded(cache.rows * n)
         return self.head(hidden).view(cache.rows, n, -1)
 
     def _static_forward(
@@ -394,7 +395,7 @@ class BlockDiffusionModel:
         positions = (torch.tensor(cache.lengths) + cache.rope_delta)[:, None] + steps
         logits = self.static.forward(cache, ids, patterns, positions.expand(rows, n))
         cache.advance(n if keep is None else keep)
-        self._forwarded()
+        self._forwarded(rows * n)
         return logits
 
     def empty_cache(self, capacity: int, rows: int = 1, rope_delta: int = 0) -> KVCache:
@@ -451,7 +452,7 @@ class BlockDiffusionModel:
             logits_to_keep=n + 1,
             **self._vision_kwargs(prompt),
         )
-        self._forwarded()
+        self._forwarded(p + n)
         return out.logits[0, :-1]
 
     def dual_stream_logits(

@@ -14,15 +14,19 @@ from fastddrive.model import BlockDiffusionModel
 
 @dataclass
 class ForwardMeter:
-    """Counts a model's forwards (every decode forward, prefill included) and times the first one."""
+    """Counts a model's forwards (every decode forward, prefill included) and the tokens fed to the forwards
+    after the first (a batched forward counts once, with all its rows' tokens), and times the first one."""
 
     calls: int = 0
+    fed_after_prefill: int = 0
     first_end: float | None = None
 
     @contextmanager
     def watch(self, model: BlockDiffusionModel) -> Iterator[None]:
-        def after() -> None:
+        def after(tokens: int) -> None:
             self.calls += 1
+            if self.first_end is not None:
+                self.fed_after_prefill += tokens
             if self.first_end is None:
                 synchronize(model.device)
                 self.first_end = time.perf_counter()

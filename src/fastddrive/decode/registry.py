@@ -117,6 +117,7 @@ def decode(
         text=text,
         response=response,
         nfe=meter.calls,
+        fed_tokens=meter.fed_after_prefill,
         tokens=tokens,
         accepted_per_step=decoded.accepted_per_step,
         prefill_ms=1000 * (first_end - began),

@@ -21,9 +21,11 @@ class Decoded:
 class DecodeResult:
     """One decoded answer and its cost.
 
-    `nfe` counts model forward calls, prefill included. `tokens` counts the answer's real tokens: scaffold
-    and value tokens, <|NULL|> padding not counted (the length of the JSON text in tokens, which is also
-    what an AR model writing the JSON freely emits). `prefill_ms` is the first forward (image and prompt),
+    `nfe` counts model forward calls, prefill included; `fed_tokens` the tokens the forwards after the
+    prefill carried (drafts, branches, candidates and every row of a batched forward included: what the
+    forwards cost, not what they commit). `tokens` counts the answer's real tokens: scaffold and value
+    tokens, <|NULL|> padding not counted (the length of the JSON text in tokens, which is also what an AR
+    model writing the JSON freely emits). `prefill_ms` is the first forward (image and prompt),
     `decode_ms` everything after it. `response` is None when the text does not parse (`error` says why).
     """
 
@@ -33,6 +35,7 @@ class DecodeResult:
     response: DrivingResponse | None
     nfe: int
     tokens: int
+    fed_tokens: int
     accepted_per_step: list[int]
     prefill_ms: float
     decode_ms: float
@@ -48,6 +51,11 @@ class DecodeResult:
         return self.tokens / self.nfe if self.nfe else 0.0
 
     @property
+    def fed_per_forward(self) -> float:
+        """Tokens each forward after the prefill carried, on average."""
+        return self.fed_tokens / (self.nfe - 1) if self.nfe > 1 else 0.0
+
+    @property
     def tokens_per_s(self) -> float:
         return 1000.0 * self.tokens / self.latency_ms if self.latency_ms else 0.0
 
@@ -60,6 +68,7 @@ class DecodeResult:
             "token_ids": self.token_ids,
             "nfe": self.nfe,
             "tokens": self.tokens,
+            "fed_tokens": self.fed_tokens,
             "prefill_ms": round(self.prefill_ms, 3),
             "decode_ms": round(self.decode_ms, 3),
             "accepted_per_step": self.accepted_per_step,

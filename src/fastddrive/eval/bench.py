@@ -48,6 +48,7 @@ class BenchRow:
     samples: int
     nfe: float
     tokens_per_nfe: float
+    fed_per_forward: float  # tokens a forward after the prefill carries (what it costs), not what it commits
     tokens_per_s: float
     latency_ms: float
     p90_latency_ms: float
@@ -123,6 +124,7 @@ def summarise(
                 samples=len(done),
                 nfe=_median(done, lambda r: r.nfe),
                 tokens_per_nfe=_median(done, lambda r: r.tokens_per_nfe),
+                fed_per_forward=_median(done, lambda r: r.fed_per_forward),
                 tokens_per_s=_median(done, lambda r: r.tokens_per_s),
                 latency_ms=latency,
                 p90_latency_ms=float(np.percentile([r.latency_ms for r in done], 90)),
