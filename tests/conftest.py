@@ -40,3 +40,19 @@ def responses(draw: st.DrawFn, explanation: st.SearchStrategy[str] = explanation
 def tokenizer():
     """The tokenizer that ships inside the package."""
     return load_tokenizer(default_tokenizer_path())
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    """The embedded default planner (tiny-sasd)."""
+    from fastddrive.planner import load
+
+    return load("default")
+
+
+@pytest.fixture(scope="module")
+def scenes():
+    """One fresh scene per scenario type (seeds far from the training episodes)."""
+    from fastddrive.data.highway import SCENARIOS, episode_samples
+
+    return [episode_samples(name, 90_000 + k, max_duration_s=9)[0] for k, name in enumerate(SCENARIOS)]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from fastddrive.data.highway import SCENARIOS, episode_samples
+from fastddrive.data.highway import episode_samples
 from fastddrive.decode import DECODERS, LOSSLESS, DecoderError, decode, decoder_options, quadratic, speculative, tts
 from fastddrive.decode.blocks import section_blocks
 from fastddrive.decode.quadratic import quadratic_layout
@@ -135,17 +135,6 @@ def test_the_fused_draft_block_starts_with_a_known_token():
     assert not allowed[:4, 4:].any()  # and never sees the draft
     assert allowed[4:, :3].all() and not allowed[4:, 3].any()  # the tail sees the clean tokens before it
     assert allowed[4:, 4:].all()  # and itself bidirectionally, as a training block
-
-
-@pytest.fixture(scope="module")
-def embedded():
-    return load("default")
-
-
-@pytest.fixture(scope="module")
-def scenes():
-    """One fresh scene per scenario type (seeds far from the training episodes)."""
-    return [episode_samples(name, 90_000 + k, max_duration_s=9)[0] for k, name in enumerate(SCENARIOS)]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from fastddrive.data.highway import SCENARIOS, episode_samples
 from fastddrive.data.sample import DATASET_FORMAT, MANIFEST, write_shard
 from fastddrive.decode.planning_vocabulary import (
     VOCABULARY_FILE,
@@ -37,17 +36,6 @@ from fastddrive.model import PromptInputs
 from fastddrive.model_files import model_path
 from fastddrive.planner import load
 from fastddrive.scaffold import Scaffold
-
-
-@pytest.fixture(scope="module")
-def embedded():
-    return load("default")
-
-
-@pytest.fixture(scope="module")
-def scenes():
-    """One fresh scene per scenario type (seeds far from the training episodes)."""
-    return [episode_samples(name, 90_000 + k, max_duration_s=9)[0] for k, name in enumerate(SCENARIOS)]
 
 
 @pytest.mark.parametrize("tau", [0.9, 0.6])

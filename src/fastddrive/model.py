@@ -444,16 +444,9 @@ class BlockDiffusionModel:
         ids = torch.cat([prompt.input_ids, canvas], dim=1)
         positions, _ = self._rope_positions(ids, prompt.image_grid_thw)
         allowed = block_mask(p + n, causal_head=p)
-        out = self.model(
-            input_ids=self.on_device(ids),
-            position_ids=self.on_device(positions),
-            attention_mask=self.on_device(additive_mask(allowed[None], self.dtype)),
-            use_cache=False,
-            logits_to_keep=n + 1,
-            **self._vision_kwargs(prompt),
-        )
+        logits = self._masked_logits(ids, positions, allowed[None], prompt, logits_to_keep=n + 1)
         self._forwarded(p + n)
-        return out.logits[0, :-1]
+        return logits[0, :-1]
 
     def dual_stream_logits(
         self,
@@ -472,24 +465,12 @@ class BlockDiffusionModel:
         clean stream's positions (mRoPE included); image tokens appear only in the clean stream.
         """
         batch, k, r = noisy_ids.shape
-        clean_positions, _ = self._rope_positions(clean_ids, image_grid_thw)
         offsets = response_start[:, None] + torch.arange(r)[None]  # (B, R) clean index of each response token
         offsets = offsets.clamp(max=clean_ids.shape[1] - 1)
-        if self.is_vision:
-            noisy_positions = torch.gather(clean_positions, 2, offsets[None].expand(3, -1, -1))
-            positions = torch.cat([noisy_positions.repeat(1, 1, k), clean_positions], dim=2)
-        else:
-            positions = torch.cat([torch.gather(clean_positions, 1, offsets).repeat(1, k), clean_positions], dim=1)
+        clean_index = torch.cat([offsets.repeat(1, k), torch.arange(clean_ids.shape[1]).expand(batch, -1)], dim=1)
         input_ids = torch.cat([noisy_ids.reshape(batch, k * r), clean_ids], dim=1)
-        mask = additive_mask(dual_stream_mask(clean_lengths, response_start, block_start), self.dtype)
-        vision = self._vision_kwargs(PromptInputs(input_ids, pixel_values, image_grid_thw))
-        logits = self.model(
-            input_ids=self.on_device(input_ids),
-            position_ids=self.on_device(positions),
-            attention_mask=self.on_device(mask),
-            use_cache=False,
-            **vision,
-        ).logits
+        allowed = dual_stream_mask(clean_lengths, response_start, block_start)
+        logits = self.packed_logits(input_ids, clean_ids, clean_index, allowed, pixel_values, image_grid_thw)
         return logits[:, : k * r].reshape(batch, k, r, logits.shape[-1]), logits[:, k * r :]
 
     def packed_logits(
@@ -513,11 +494,18 @@ class BlockDiffusionModel:
             positions = torch.gather(clean_positions, 2, clean_index[None].expand(3, -1, -1))
         else:
             positions = torch.gather(clean_positions, 1, clean_index)
-        vision = self._vision_kwargs(PromptInputs(input_ids, pixel_values, image_grid_thw))
+        return self._masked_logits(input_ids, positions, allowed, PromptInputs(input_ids, pixel_values, image_grid_thw))
+
+    def _masked_logits(
+        self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, prompt: PromptInputs, **kwargs: Any
+    ) -> torch.Tensor:
+        """Logits of one uncached transformers forward of `ids` at rotary `positions` under the allowed-attention
+        pattern (B, L, L), with the images of `prompt`; `kwargs` go to the transformers forward."""
         return self.model(
-            input_ids=self.on_device(input_ids),
+            input_ids=self.on_device(ids),
             position_ids=self.on_device(positions),
             attention_mask=self.on_device(additive_mask(allowed, self.dtype)),
             use_cache=False,
-            **vision,
+            **self._vision_kwargs(prompt),
+            **kwargs,
         ).logits
