@@ -95,3 +95,21 @@ def peaky_case(kind: str, seed: int):
     sample = synthetic_sample(seed)
     prompt = prompt_inputs(model, sample.command, sample.history, [sample.image])
     return model, prompt, Scaffold(model.tokenizer)
+
+
+# The 3B preset at CPU-test sizes, with window blocks and full-attention blocks both present.
+SHRUNK_3B = {
+    "hidden_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 1,
+    "num_key_value_heads": 1,
+    "intermediate_size": 256,
+    "vocab_size": 1024,
+    "vision_config": {
+        "depth": 4,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "fullatt_block_indexes": [1, 3],
+    },
+}

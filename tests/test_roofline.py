@@ -64,9 +64,10 @@ def test_a_head_size_that_does_not_fit_mrope_is_refused():
 
 def test_forward_sweep_gives_one_row_per_token_count(shrunk):
     counts = (1, 3, 8)
-    rows = forward_sweep(shrunk, counts, repeats=3, warmup=1)
+    rows, setup_s = forward_sweep(shrunk, counts, repeats=3, warmup=1)
     assert [r.tokens for r in rows] == list(counts)
     assert all(0 < r.p10_ms <= r.median_ms <= r.p90_ms for r in rows)
+    assert setup_s > 0  # the prefill and one warm-up per count, timed apart from the repeats
 
 
 def test_weight_bytes_counts_the_decoder_and_the_tied_head_once(shrunk):

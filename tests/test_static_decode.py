@@ -1,13 +1,17 @@
 """The fixed-shape decode path (CUDA graphs on a GPU) against the eager one: same ids for every decoder,
 the same logits, and fallback to eager for what does not fit its shapes."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from fastddrive.data.highway import episode_samples
 from fastddrive.decode import DECODERS
+from fastddrive.eval.bench import DecoderRun, _accepted_drafts
 from fastddrive.planner import load
 from fastddrive.static_decode import BUCKETS, CAPACITY_STEP
+from model_fixtures import SHRUNK_3B
 
 
 @pytest.fixture(scope="module")
@@ -52,3 +56,70 @@ def test_cuda_graphs_give_the_ids_of_the_eager_path(scene):
         assert a.token_ids == b.token_ids, name
     assert all(shape.graph is not None for shape in graphed.model.static.shapes.values())
     assert graphed.model.static.capture_seconds < 60
+
+
+def test_oracle_drafts_iterate_to_what_the_verifier_accepts():
+    """In bfloat16 `ss` can return other ids than the `ar` ids it drafted; the oracle drafts then become the
+    ids it returned, until they come back unchanged."""
+
+    class Verifier:  # returns the drafts with every position past the second set to 7, like a rounding flip
+        calls = 0
+
+        def plan(self, scene, decoder, drafts):
+            Verifier.calls += 1
+            return SimpleNamespace(token_ids=drafts[:2] + [7] * (len(drafts) - 2))
+
+    run = DecoderRun("oracle", "ss", {}, Verifier(), oracle=True)
+    assert _accepted_drafts(run, None, [1, 2, 3, 4]) == [1, 2, 7, 7] and Verifier.calls == 2
+    Verifier.calls = 0
+    assert _accepted_drafts(run, None, [1, 2, 7]) == [1, 2, 7] and Verifier.calls == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled layer halves run on a GPU")
+def test_compiled_layer_halves_equal_the_eager_ones():
+    from fastddrive import layer_halves
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator, device="cuda") * 0.1
+
+    heads, kv_heads, dim, size = 4, 2, 16, 64
+    for tokens in (1, 5, 33):  # specialised at 1, then dynamic in the token dimension
+        hidden = rand(tokens, size)
+        cos, sin = rand(tokens, 1, dim), rand(tokens, 1, dim)
+        inputs = (hidden, rand(2 * size), rand((heads + 2 * kv_heads) * dim, size), rand((heads + 2 * kv_heads) * dim))
+        compiled_in, compiled_rest = layer_halves.layer_halves(torch.device("cuda"))
+        for a, b in zip(
+            layer_halves.attention_inputs(*inputs, cos, sin, 1, heads, kv_heads, 1e-6),
+            compiled_in(*inputs, cos, sin, 1, heads, kv_heads, 1e-6),
+            strict=True,
+        ):
+            assert torch.allclose(a, b, atol=1e-5)
+        rest = (
+            hidden,
+            rand(tokens, heads * dim),
+            rand(size, heads * dim),
+            rand(2 * size),
+            rand(256, size),
+            rand(size, 128),
+        )
+        eager = layer_halves.attention_output_and_mlp(*rest, torch.nn.functional.silu, 1e-6)
+        assert torch.allclose(eager, compiled_rest(*rest, torch.nn.functional.silu, 1e-6), atol=1e-5)
+
+
+def test_a_prompt_longer_than_a_bucket_is_prefilled_in_chunks_as_the_eager_path_does():
+    from fastddrive.eval.roofline import sweep_prompt
+    from fastddrive.random_init import random_init_model
+
+    eager = random_init_model("qwen2.5-vl-3b", "cpu", torch.float32, shrink=SHRUNK_3B)
+    static = random_init_model("qwen2.5-vl-3b", "cpu", torch.float32, shrink=SHRUNK_3B)
+    static.use_static_shapes(graphs=False)
+    prompt = sweep_prompt(eager)
+    assert prompt.input_ids.shape[1] > BUCKETS[-1]  # two chunks, the image inside the first
+    (a, cache_a), (b, cache_b) = eager.prefill(prompt), static.prefill(prompt)
+    assert static.static.owns(cache_b) and cache_a.lengths == cache_b.lengths
+    assert {key[2] for key in static.static.shapes} == {True}  # prompt chunks, not decode shapes
+    assert torch.allclose(a, b, atol=1e-4)
+    ids = list(range(100, 105))
+    assert torch.allclose(eager.verify(cache_a, ids), static.verify(cache_b, ids), atol=1e-4)

@@ -653,7 +653,11 @@ def bench_command(
         str | None, typer.Option(help="Instead of --model: this architecture with random weights, for timing only.")
     ] = None,
     oracle_drafts: Annotated[
-        bool, typer.Option(help="Also time ss drafting ar's own ids: the speed bound at perfect acceptance.")
+        bool,
+        typer.Option(
+            help="Also time ss drafting what its verifier accepts (ar's ids, in bfloat16 their fixed point): "
+            "the speed bound at perfect acceptance."
+        ),
     ] = False,
     seed: Annotated[int, typer.Option(help="Seed of the fresh scenes (without --data).")] = 7,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the rows as JSON.")] = None,
@@ -824,7 +828,8 @@ def roofline_command(
         f"{name}: {result.device}, {result.dtype}, prompt {result.prompt_tokens} tokens; weights read per forward "
         f"{result.weight_bytes / 1e9:.3f} GB, copy bandwidth {result.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
         f"floor {result.floor_ms:.3f} ms"
-        + (f"; CUDA graphs captured in {loaded.static.capture_seconds:.1f} s" if graphs else ""),
+        + f"; prefill and warm-ups {result.setup_s:.1f} s"
+        + (f" (CUDA graph warm-up and capture {loaded.static.capture_seconds:.1f} s)" if graphs else ""),
         highlight=False,
     )
     table = Table(title=f"{name}: one forward after the prompt, {repeats} repeats")

@@ -33,8 +33,10 @@ from transformers import (
 )
 
 from fastddrive.kv_cache import KVCache
+from fastddrive.layer_halves import layer_halves, rms_norm
 from fastddrive.masks import CAUSAL, FULL, DecodeMasks, additive_mask, as_pattern, block_mask, dual_stream_mask
 from fastddrive.static_decode import BUCKETS, StaticDecoder
+from fastddrive.vision_tower import VisionTower
 
 IMAGE_TOKEN = "<|image_pad|>"
 RESPONSE_ROOM = 512  # cache positions reserved after the prompt at prefill (more are added when needed)
@@ -126,15 +128,6 @@ class DecodeWeights:
             version=version,
         )
 
-    def norm(self, x: torch.Tensor, doubled: torch.Tensor) -> torch.Tensor:
-        """RMSNorm with weight w, given [w, w]. On the CPU as the LayerNorm of [x, -x] (zero mean, variance
-        mean(x^2)): torch's CPU RMSNorm is several kernels (measured 34 against 16 us per call on the
-        2-core machine)."""
-        size = x.shape[-1]
-        if x.device.type != "cpu":
-            return F.rms_norm(x, (size,), doubled[:size], self.eps)
-        return F.layer_norm(torch.cat([x, -x], dim=-1), (2 * size,), doubled, None, self.eps)[..., :size]
-
 
 def _doubled(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([weight.detach(), weight.detach()])
@@ -168,6 +161,7 @@ class BlockDiffusionModel:
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self.decode_weights: DecodeWeights | None = None
         self.static: StaticDecoder | None = None  # fixed-shape forwards (CUDA graphs on a GPU), or eager
+        self.vision: VisionTower | None = None  # the vision tower at fixed grids (CUDA graphs on a GPU)
         self.source: Path | None = None  # the folder it was loaded from (files kept beside the weights)
 
     @property
@@ -191,8 +185,11 @@ class BlockDiffusionModel:
 
     def use_static_shapes(self, graphs: bool = True) -> None:
         """Run decode forwards at fixed shapes over persistent caches, replayed as CUDA graphs on a GPU
-        (`static_decode`); prompts or forwards that do not fit run eagerly."""
+        (`static_decode`), and the vision tower one image grid at a time (`vision_tower`); prompts or
+        forwards that do not fit run eagerly."""
         self.static = StaticDecoder(self, graphs)
+        if self.is_vision:
+            self.vision = VisionTower(self.core.model.visual, self.device, graphs)
 
     def on_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every tensor the model reads passes through here, onto the model's device."""
@@ -279,34 +276,37 @@ class BlockDiffusionModel:
         is_causal: bool,
     ) -> torch.Tensor:
         """The decoder layers over the new tokens' hidden states (rows * n, H); `store(layer, keys, values)`
-        writes their keys and values into the cache and returns what to attend over. RoPE as
-        x cos + roll(x) sin' with the rotate-half sign folded into sin'."""
+        writes their keys and values into the cache and returns what to attend over; the halves around
+        attention are `layer_halves` (compiled on a GPU)."""
         weights = self.decode_weights
+        attention_inputs, attention_output_and_mlp = layer_halves(hidden.device)
         cos, sin = rope
         tokens = hidden.shape[0]
-        n = tokens // rows
-        heads, kv_heads, dim = weights.heads, weights.kv_heads, weights.head_dim
+        heads, kv_heads, dim, eps = weights.heads, weights.kv_heads, weights.head_dim, weights.eps
         for i, layer in enumerate(weights.layers):
-            qkv = F.linear(weights.norm(hidden, layer.attention_norm), layer.qkv, layer.qkv_bias)
-            qkv = qkv.view(tokens, heads + 2 * kv_heads, dim)
-            qk = qkv[:, : heads + kv_heads]
-            qk = torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin)
-            q = qk[:, :heads].view(rows, n, heads, dim).transpose(1, 2)
-            k = qk[:, heads:].view(rows, n, kv_heads, dim).transpose(1, 2)
-            v = qkv[:, heads + kv_heads :].view(rows, n, kv_heads, dim).transpose(1, 2)
+            q, k, v = attention_inputs(
+                hidden, layer.attention_norm, layer.qkv, layer.qkv_bias, cos, sin, rows, heads, kv_heads, eps
+            )
             keys, values = store(i, k, v)
-            out = F.scaled_dot_product_attention(
+            attended = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, is_causal=is_causal, scale=weights.scaling, enable_gqa=True
             )
-            hidden = torch.addmm(hidden, out.transpose(1, 2).reshape(tokens, heads * dim), layer.out.t())
-            gate, up = F.linear(weights.norm(hidden, layer.mlp_norm), layer.gate_up).chunk(2, dim=-1)
-            hidden = torch.addmm(hidden, layer.act(gate) * up, layer.down.t())
+            hidden = attention_output_and_mlp(
+                hidden,
+                attended.transpose(1, 2).reshape(tokens, heads * dim),
+                layer.out,
+                layer.mlp_norm,
+                layer.gate_up,
+                layer.down,
+                layer.act,
+                eps,
+            )
         return hidden
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: logits of hidden states."""
         weights = self.decode_weights
-        return F.linear(weights.norm(hidden, weights.final_norm), weights.head)
+        return F.linear(rms_norm(hidden, weights.final_norm, weights.eps), weights.head)
 
     def _forwarded(self, tokens: int) -> None:
         for hook in self.forward_hooks:
@@ -321,9 +321,12 @@ class BlockDiffusionModel:
         positions, deltas = self._rope_positions(prompt.input_ids, prompt.image_grid_thw)
         embeds = self.text_model.embed_tokens(ids)
         if prompt.pixel_values is not None:
-            vision = self._vision_kwargs(prompt)
-            features = self.core.model.get_image_features(vision["pixel_values"], vision["image_grid_thw"])
-            image = torch.cat(list(features.pooler_output)).to(embeds.dtype)
+            if self.vision is not None:
+                image = self.vision(prompt.pixel_values, prompt.image_grid_thw).to(embeds.dtype)
+            else:
+                vision = self._vision_kwargs(prompt)
+                features = self.core.model.get_image_features(vision["pixel_values"], vision["image_grid_thw"])
+                image = torch.cat(list(features.pooler_output)).to(embeds.dtype)
             embeds = embeds.masked_scatter((ids == self.image_token_id)[..., None], image)
         n = ids.shape[1]
         if self.static is not None:
@@ -332,10 +335,14 @@ class BlockDiffusionModel:
             cache = self.empty_cache(n + room, rope_delta=int(deltas[0]))
         cos, sin = self.text_model.rotary_emb(embeds, self.on_device(positions))
         rope = (cos[0][:, None], _sign_folded(sin[0])[:, None])
-        hidden = self.layer_stack(embeds[0], 1, rope, cache.write, None, is_causal=True)
-        cache.advance(n)
+        if self.static is not None and self.static.owns(cache):
+            logits = self.static.prefill(cache, embeds[0], rope)
+        else:
+            hidden = self.layer_stack(embeds[0], 1, rope, cache.write, None, is_causal=True)
+            cache.advance(n)
+            logits = self.head(hidden[-1:])[0]
         self._forwarded(n)
-        return self.head(hidden[-1:])[0], cache
+        return logits, cache
 
     @torch.no_grad()
     def forward(

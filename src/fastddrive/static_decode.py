@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from fastddrive.kv_cache import KVCache
-from fastddrive.masks import rows_mask
+from fastddrive.masks import additive_mask, rows_mask
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)  # new tokens per row; a longer forward runs eagerly
 CAPACITY_STEP = 512  # a static cache holds a multiple of this many positions per row (attention reads them all)
@@ -35,6 +35,14 @@ class Shape:
     pattern: torch.Tensor  # (rows, bucket, bucket) who sees whom among the new tokens
     logits: torch.Tensor | None = None  # (rows, bucket, V)
     graph: torch.cuda.CUDAGraph | None = None
+    # A prompt chunk's inputs instead of ids and positions: its embeddings (images in them) and mRoPE angles.
+    embeds: torch.Tensor | None = None  # (rows, bucket, H)
+    cos: torch.Tensor | None = None  # (rows * bucket, 1, head_dim)
+    sin: torch.Tensor | None = None
+
+
+def _bucket(n: int) -> int:
+    return next(b for b in BUCKETS if b >= n)
 
 
 class StaticDecoder:
@@ -76,22 +84,41 @@ class StaticDecoder:
         """Logits (rows, n, V) of ids (rows, n) with per-row patterns (rows, n, n) and rotary positions
         (rows, n), all on the host; the cache's lengths are not moved (the caller keeps what it keeps)."""
         rows, n = ids.shape
-        bucket = next(b for b in BUCKETS if b >= n)
-        shape = self._shape(rows, bucket, cache.capacity)
-        padded_ids = torch.zeros(rows, bucket, dtype=torch.long)
+        shape = self._shape(rows, _bucket(n), cache.capacity)
+        padded_ids = torch.zeros(rows, shape.ids.shape[1], dtype=torch.long)
         padded_ids[:, :n] = ids
-        padded_pattern = torch.eye(bucket, dtype=torch.bool).repeat(rows, 1, 1)
-        padded_pattern[:, :n, :n] = patterns
-        padded_positions = torch.zeros(rows, bucket, dtype=torch.long)
+        padded_positions = torch.zeros(rows, shape.ids.shape[1], dtype=torch.long)
         padded_positions[:, :n] = positions
         padded_positions[:, n:] = positions[:, -1:]
-        for static, value in (
-            (shape.ids, padded_ids),
-            (shape.lengths, torch.tensor(cache.lengths)),
-            (shape.positions, padded_positions),
-            (shape.pattern, padded_pattern),
-        ):
-            static.copy_(value, non_blocking=True)
+        shape.ids.copy_(padded_ids, non_blocking=True)
+        shape.positions.copy_(padded_positions, non_blocking=True)
+        self._launch(cache, shape, patterns)
+        return shape.logits[:, :n].clone()
+
+    def prefill(self, cache: KVCache, embeds: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Feed a prompt (embeddings (L, H) on the device, images in them, and its mRoPE angles (L, 1, d))
+        into a single-row cache in causal chunks of at most the largest bucket; advance the cache and
+        return the logits of the prompt's last position (V,)."""
+        cos, sin = rope
+        for start in range(0, len(embeds), BUCKETS[-1]):
+            chunk = slice(start, start + BUCKETS[-1])
+            n = len(embeds[chunk])
+            shape = self._shape(1, _bucket(n), cache.capacity, prompt=True)
+            shape.embeds[0, :n] = embeds[chunk]
+            shape.cos[:n], shape.sin[:n] = cos[chunk], sin[chunk]
+            self._launch(cache, shape, torch.tril(torch.ones(1, n, n, dtype=torch.bool)))
+            cache.advance(n)
+        return shape.logits[0, n - 1].clone()
+
+    def _launch(self, cache: KVCache, shape: Shape, patterns: torch.Tensor) -> None:
+        """Run (or capture, then replay) `shape` after each row's cached prefix, its n real tokens seeing
+        one another by `patterns` (rows, n, n); padding sees only itself."""
+        rows, bucket = shape.ids.shape
+        n = patterns.shape[-1]
+        padded_pattern = torch.eye(bucket, dtype=torch.bool).repeat(rows, 1, 1)
+        padded_pattern[:, :n, :n] = patterns
+        shape.pattern.copy_(padded_pattern, non_blocking=True)
+        shape.lengths.copy_(torch.tensor(cache.lengths), non_blocking=True)
         if self.graphs and shape.graph is None:
             # Captured with this forward's own inputs: the warm-up runs write the keys and values the
             # replay writes again, so capturing never leaves anything else in the cache.
@@ -100,19 +127,24 @@ class StaticDecoder:
             shape.graph.replay()
         else:
             self._run(cache, shape)
-        return shape.logits[:, :n].clone()
 
-    def _shape(self, rows: int, bucket: int, capacity: int) -> Shape:
-        key = (rows, bucket)
+    def _shape(self, rows: int, bucket: int, capacity: int, prompt: bool = False) -> Shape:
+        key = (rows, bucket, prompt)
         if key not in self.shapes:
-            device = self.model.device
-            self.model.rope_table(2 * capacity)  # graphs index it: it must not be reallocated later
-            self.shapes[key] = Shape(
+            model, device = self.model, self.model.device
+            model.rope_table(2 * capacity)  # graphs index it: it must not be reallocated later
+            shape = Shape(
                 ids=torch.zeros(rows, bucket, dtype=torch.long, device=device),
                 lengths=torch.zeros(rows, dtype=torch.long, device=device),
                 positions=torch.zeros(rows, bucket, dtype=torch.long, device=device),
                 pattern=torch.eye(bucket, dtype=torch.bool, device=device).repeat(rows, 1, 1),
             )
+            if prompt:
+                weights = model.decode_weights
+                shape.embeds = torch.zeros(rows, bucket, weights.embed.shape[1], dtype=model.dtype, device=device)
+                shape.cos = torch.ones(rows * bucket, 1, weights.head_dim, dtype=model.dtype, device=device)
+                shape.sin = torch.zeros_like(shape.cos)
+            self.shapes[key] = shape
         return self.shapes[key]
 
     def _capture(self, cache: KVCache, shape: Shape) -> None:
@@ -135,16 +167,19 @@ class StaticDecoder:
         """The forward itself, from the shape's static inputs to its static output; device ops only."""
         model = self.model
         rows, bucket = shape.ids.shape
-        cos, sin = model.rope_table(2 * cache.capacity)
-        flat = shape.positions.reshape(-1)
-        rope = (cos[flat], sin[flat])
+        if shape.embeds is None:
+            cos, sin = model.rope_table(2 * cache.capacity)
+            flat = shape.positions.reshape(-1)
+            embeds, rope = F.embedding(shape.ids.reshape(-1), model.decode_weights.embed), (cos[flat], sin[flat])
+        else:
+            embeds, rope = shape.embeds.view(rows * bucket, -1), (shape.cos, shape.sin)
         at = shape.lengths[:, None] + torch.arange(bucket, device=shape.ids.device)  # where the new tokens go
-        mask = rows_mask(shape.lengths, shape.pattern, cache.capacity)
+        # Additive once per forward: SDPA would turn a boolean mask into one in every layer (3 kernels).
+        mask = additive_mask(rows_mask(shape.lengths, shape.pattern, cache.capacity)[:, 0], model.dtype)
 
         def store(layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return cache.write_at(layer, keys, values, at)
 
-        embeds = F.embedding(shape.ids.reshape(-1), model.decode_weights.embed)
         hidden = model.layer_stack(embeds, rows, rope, store, mask, False)
         logits = model.head(hidden).view(rows, bucket, -1)
         if shape.logits is None:

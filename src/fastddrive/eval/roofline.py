@@ -69,6 +69,7 @@ class Roofline:
     weight_bytes: int
     bandwidth_bytes_per_s: float
     rows: list[SweepRow]
+    setup_s: float  # the prompt's prefill and every warm-up forward: compilation and graph capture included
 
     @property
     def floor_ms(self) -> float:
@@ -104,13 +105,15 @@ def forward_sweep(
     warmup: int = 3,
     prompt: PromptInputs | None = None,
     on_forward: Callable[[], None] | None = None,
-) -> list[SweepRow]:
+) -> tuple[list[SweepRow], float]:
     """Time `model.verify` of k new tokens after a prefilled prompt (then cropped back off), per k.
 
     Each k warms up `warmup` times first; the timed repeats then go round all k in turn, so that drifts
-    of a shared machine hit every k alike. CUDA is synchronised before and after every forward.
+    of a shared machine hit every k alike. CUDA is synchronised before and after every forward. Also
+    returns the seconds of setup: the prefill and the warm-ups (first compilations and captures).
     """
     prompt = prompt or sweep_prompt(model)
+    setup_began = time.perf_counter()
     _, cache = model.prefill(prompt, room=max(tokens))
     start = cache.length
     generator = torch.Generator().manual_seed(0)
@@ -130,11 +133,12 @@ def forward_sweep(
     for k in tokens:
         for _ in range(warmup):
             timed(k)
+    setup_s = time.perf_counter() - setup_began
     times: dict[int, list[float]] = {k: [] for k in tokens}
     for _ in range(repeats):
         for k in tokens:
             times[k].append(timed(k))
-    return [SweepRow(k, *(float(np.percentile(times[k], q)) for q in (50, 10, 90))) for k in tokens]
+    return [SweepRow(k, *(float(np.percentile(times[k], q)) for q in (50, 10, 90))) for k in tokens], setup_s
 
 
 def weight_bytes(model: BlockDiffusionModel) -> int:
@@ -178,7 +182,7 @@ def measure_roofline(
     """The sweep on the standard prompt, the model's weight bytes and the device's copy bandwidth."""
     prompt = sweep_prompt(model)
     bandwidth = copy_bandwidth(model.device)
-    rows = forward_sweep(model, tokens, repeats, warmup, prompt, on_forward)
+    rows, setup_s = forward_sweep(model, tokens, repeats, warmup, prompt, on_forward)
     return Roofline(
         device=str(model.device),
         dtype=str(model.dtype).removeprefix("torch."),
@@ -186,4 +190,5 @@ def measure_roofline(
         weight_bytes=weight_bytes(model),
         bandwidth_bytes_per_s=bandwidth,
         rows=rows,
+        setup_s=setup_s,
     )
