@@ -202,3 +202,12 @@ def test_the_builder_rates_val_and_test_episodes_only_and_says_so(tmp_path, monk
     assert all(len(s.rater_scores) == 0 for s in dataset.samples("train"))
     test = list(dataset.samples("test"))
     assert test and all(1 <= len(s.rater_scores) <= 3 for s in test)
+
+
+def test_the_raters_do_not_import_the_episode_recorder():
+    """data.highway uses the raters; the raters share only data.expert with it (no import circle)."""
+    import subprocess
+    import sys
+
+    code = "import sys, fastddrive.data.raters; assert 'fastddrive.data.highway' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0

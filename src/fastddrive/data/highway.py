@@ -8,15 +8,16 @@ the end of the road or the end of the episode.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from fastddrive.data import labels as rules
+from fastddrive.data.expert import STEP_HZ, ExpertVehicle
+from fastddrive.data.raters import RaterSet, rate
 from fastddrive.data.sample import (
     FUTURE_STEPS,
     HISTORY_STEPS,
@@ -25,19 +26,12 @@ from fastddrive.data.sample import (
 )
 from fastddrive.schema import DrivingResponse
 
-if TYPE_CHECKING:
-    from fastddrive.data.raters import RaterSet
-
-# pygame must draw offscreen; its no-op video driver silently renders all-black frames.
-os.environ["SDL_VIDEODRIVER"] = "offscreen"
-os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")
-
+# isort: split
+# After data.expert has made pygame draw offscreen.
 import gymnasium as gym  # noqa: E402
 import highway_env  # noqa: E402,F401  (registers the environments)
 from highway_env.vehicle.behavior import IDMVehicle  # noqa: E402
-from highway_env.vehicle.graphics import VehicleGraphics  # noqa: E402
 
-STEP_HZ = 4  # recording rate = future rate
 SIMULATION_HZ = 12  # a multiple of STEP_HZ; highway-env itself runs 5..15 Hz
 SAMPLE_EVERY_STEPS = STEP_HZ  # one sample per second
 HISTORY_STRIDE = 2  # 0.5 s at 4 Hz
@@ -80,15 +74,6 @@ def check_scenarios(names: list[str]) -> list[str]:
     if not names:
         raise UnknownScenario(f"no scenario given; known: {', '.join(SCENARIOS)}")
     return names
-
-
-class ExpertVehicle(IDMVehicle):
-    """The IDM/MOBIL expert in the ego seat; always drawn in the ego colour.
-
-    `color` is a property because highway-env's road regulation sets and deletes it on yielding cars.
-    """
-
-    color = property(lambda self: VehicleGraphics.EGO_COLOR, lambda self, value: None, lambda self: None)
 
 
 @dataclass
@@ -246,8 +231,6 @@ def simulate_episode(
     every rendered step with 5 s of episode left also gets the simulated raters (data/raters.py), rolled
     out in copies of the simulator: the episode itself comes out exactly as without them.
     """
-    if raters:
-        from fastddrive.data.raters import rate  # imports this module: loaded only when asked for
     spec = SCENARIOS[scenario]
     duration = spec.max_duration_s if max_duration_s is None else max_duration_s
     env = make_env(scenario)

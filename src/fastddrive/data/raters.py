@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 from highway_env import utils
 
-from fastddrive.data.highway import STEP_HZ, ExpertVehicle
+from fastddrive.data.expert import STEP_HZ, ExpertVehicle
 from fastddrive.data.sample import FUTURE_STEPS
 
 RULE_VERSION = 1  # bump when a driver or the score rule changes: datasets record it in their manifest
