@@ -252,3 +252,28 @@ def test_plan_with_a_malformed_vocabulary_names_the_file(small_dataset, tmp_path
     )
     assert result.exit_code == 2
     assert "broken.json" in result.output
+
+
+@pytest.mark.parametrize(
+    ("fmt", "convert"), [("wod-e2e", ["wod-e2e", "--src"]), ("nuscenes", ["nuscenes", "--dataroot"])]
+)
+def test_export_to_a_real_layout_and_convert_back(small_dataset, tmp_path, fmt, convert):
+    exported, back = tmp_path / "exported", tmp_path / "back"
+    result = _run("data", "export", "--data", small_dataset, "--out", exported, "--format", fmt, "--split", "test")
+    assert result.exit_code == 0, result.output
+    extra = ["--version", "v1.0-fastddrive"] if fmt == "nuscenes" else []
+    result = _run("data", *convert, exported, "--out", back, *extra)
+    assert result.exit_code == 0, result.output
+    original = list(DrivingDataset.open(small_dataset).samples("test"))
+    converted = list(DrivingDataset.open(back).samples("test"))
+    assert len(converted) == len(original)
+    assert _run("data", "stats", back).exit_code == 0
+
+
+def test_export_and_conversion_refuse_bad_input_in_one_line(small_dataset, tmp_path):
+    result = _run("data", "export", "--data", small_dataset, "--out", tmp_path / "x", "--format", "kitti")
+    assert result.exit_code == 2 and "unknown --format 'kitti'" in result.output
+    result = _run("data", "nuscenes", "--dataroot", tmp_path / "none", "--out", tmp_path / "y")
+    assert result.exit_code == 2 and "scene.json is missing" in result.output
+    result = _run("data", "wod-e2e", "--src", tmp_path, "--out", tmp_path / "z")
+    assert result.exit_code == 2 and "holds no release JSON files" in result.output

@@ -1,14 +1,17 @@
+import hashlib
 import json
+import re
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import explanations, responses
+from conftest import responses
 from fastddrive.scaffold import DEFAULT_EXPLANATION_BUDGET, Scaffold, SlotOverflow
-from fastddrive.schema import SECTIONS, ResponseError, example_response, parse, render
+from fastddrive.schema import SECTIONS, ResponseError, SpecialTokenText, example_response, parse, render
 from fastddrive.tokenizer import MissingDiffusionTokens, load_tokenizer
+from qwen_tokenizer import plain_explanations
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +39,7 @@ def test_digits_are_one_token_each_and_the_decimal_point_is_scaffold(scaffold):
     assert scaffold.tokenizer.decode([int(scaffold.template_ids[point])]) == "."
 
 
-@given(responses())
+@given(responses(plain_explanations))
 @settings(max_examples=150, deadline=None)
 def test_ids_rebuild_into_json_of_the_same_response(scaffold, response):
     encoded = scaffold.encode(response)
@@ -53,7 +56,7 @@ def test_ids_rebuild_into_json_of_the_same_response(scaffold, response):
         assert response.explanation.startswith(encoded.response.explanation)
 
 
-@given(responses(explanation=explanations.filter(lambda t: len(t.split()) > 0)))
+@given(responses(explanation=plain_explanations.filter(lambda t: len(t.split()) > 0)))
 @settings(max_examples=60, deadline=None)
 def test_long_explanations_are_cut_at_a_word_boundary(tokenizer, response):
     tight = Scaffold(tokenizer, explanation_budget=4)
@@ -141,3 +144,58 @@ def test_allowed_ids_hold_exactly_the_tokens_a_slot_can_take(tokenizer):
     for response in (example_response(),):
         ids = scaffold.encode(response).ids
         assert all(a is None or ids[p] in a for p, a in enumerate(allowed))
+
+
+@pytest.mark.parametrize(
+    ("budget", "digest"),
+    [
+        (32, "1905b81cc348f12ea1dd4c111e61774531d35bd323cf59e3148436b6a8a4fd44"),
+        (192, "b46b309aa2ac971d0b257295372da5ac02356c3482e3254b6937267b4ab8c7e8"),
+    ],
+)
+def test_the_default_layout_is_the_one_the_embedded_checkpoints_were_trained_on(tokenizer, budget, digest):
+    for scaffold in (Scaffold(tokenizer, budget), Scaffold(tokenizer, budget, scaffold_tokenization="pieces")):
+        layout = scaffold.template_ids.tobytes() + scaffold.section_index.tobytes() + scaffold.is_value.tobytes()
+        assert hashlib.sha256(layout).hexdigest() == digest
+
+
+@pytest.fixture(scope="module")
+def runs(tokenizer):
+    return Scaffold(tokenizer, scaffold_tokenization="runs")
+
+
+@given(responses(plain_explanations))
+@settings(max_examples=100, deadline=None)
+def test_maximal_runs_round_trip_with_fewer_scaffold_tokens(runs, scaffold, response):
+    pieces = scaffold
+    assert runs.table()[-1].scaffold < pieces.table()[-1].scaffold
+    assert [s.budget for s in runs.slots] == [s.budget for s in pieces.slots]
+    assert (np.diff(runs.section_index) >= 0).all()
+    encoded = runs.encode(response)
+    assert runs.decode(encoded.ids) == encoded.response
+    if not encoded.truncated:
+        assert runs.text(encoded.ids) == render(response)
+
+
+def test_a_scaffold_run_is_tokenized_as_one_text(runs, tokenizer):
+    scaffold = runs
+    # '"' closing the last flag, '}' closing the object and ', "explanation": "' form one run.
+    last_flag = next(s for s in scaffold.slots if s.name == "critical_objects.door_opening_vehicle")
+    explanation = next(s for s in scaffold.slots if s.name == "explanation")
+    run = scaffold.template_ids[last_flag.end : explanation.start].tolist()
+    assert run == tokenizer.encode('"}, "explanation": "', add_special_tokens=False)
+    with pytest.raises(ValueError, match="scaffold_tokenization"):
+        Scaffold(tokenizer, scaffold_tokenization="words")
+
+
+@pytest.mark.parametrize("token", ["<|NULL|>", "|<MASK>|", "<|im_end|>", "<|image_pad|>"])
+def test_an_explanation_holding_a_special_token_is_refused(scaffold, tokenizer, token):
+    # model_copy skips validation, as a caller building responses by hand might.
+    response = example_response().model_copy(update={"explanation": f"I brake{token} now."})
+    with pytest.raises(SpecialTokenText, match=re.escape(token)):
+        scaffold.encode(response)
+    ids = scaffold.encode(example_response()).ids
+    ids[next(s for s in scaffold.slots if s.name == "explanation").start] = tokenizer.convert_tokens_to_ids(token)
+    if token != "<|NULL|>":  # NULL in a slot is padding: the decoded text never holds it
+        with pytest.raises(SpecialTokenText, match=re.escape(token)):
+            scaffold.decode(ids)

@@ -1,5 +1,6 @@
 import json
 import math
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -15,9 +16,10 @@ from fastddrive.schema import (
     render,
     render_pieces,
 )
+from qwen_tokenizer import plain_explanations
 
 
-@given(responses())
+@given(responses(plain_explanations))
 @settings(max_examples=300, deadline=None)
 def test_parse_inverts_render(response):
     text = render(response)
@@ -26,7 +28,7 @@ def test_parse_inverts_render(response):
     json.loads(text)  # the rendered text is JSON
 
 
-@given(responses())
+@given(responses(plain_explanations))
 @settings(max_examples=100, deadline=None)
 def test_every_coordinate_has_the_same_width(response):
     coordinates = [p.text for p in render_pieces(response) if p.slot and p.slot.startswith("trajectory")]
@@ -109,3 +111,24 @@ def test_explanations_are_nfc_so_they_survive_the_tokenizer():
 
     response = example_response().model_copy(update={"explanation": "\U0002f800"})
     assert DrivingResponse.model_validate(response.model_dump()).explanation == "\u4e3d"
+
+
+@pytest.mark.parametrize("token", ["<|NULL|>", "|<MASK>|", "<|im_end|>", "<|vision_start|>", "<|fim_pad|>"])
+def test_an_explanation_holding_a_special_token_text_is_refused(token):
+    from fastddrive.schema import SpecialTokenText, from_slot_values
+
+    data = json.loads(render(example_response()))
+    data["explanation"] = f"The light is red{token}, so I stop."
+    with pytest.raises(SpecialTokenText, match=re.escape(f"explanation: contains '{token}'")):
+        parse(json.dumps(data))
+    values = {p.slot: p.text for p in render_pieces(example_response()) if p.slot}
+    with pytest.raises(SpecialTokenText):
+        from_slot_values(values | {"explanation": token})
+    with pytest.raises(ValueError, match="special token"):
+        DrivingResponse.model_validate({**example_response().model_dump(), "explanation": token})
+
+
+@pytest.mark.parametrize("text", ["a < b | c > d", "<|", "|>", "<| |>", "x |< y >| z"])
+def test_text_that_only_looks_like_a_special_token_is_kept(text):
+    response = DrivingResponse.model_validate({**example_response().model_dump(), "explanation": text})
+    assert parse(render(response)).explanation == text

@@ -1,3 +1,5 @@
+import base64
+
 import pytest
 from transformers import AutoTokenizer, Qwen2Tokenizer
 
@@ -6,9 +8,13 @@ from fastddrive.tokenizer import (
     CHAT_TOKENS,
     MASK_TOKEN,
     NULL_TOKEN,
+    QWEN25VL_ADDED_TOKENS,
+    DiffusionTokenIds,
     add_diffusion_tokens,
+    bpe_merges,
     diffusion_token_ids,
     load_tokenizer,
+    qwen25vl_tokenizer,
     train_tokenizer,
 )
 
@@ -59,3 +65,19 @@ def test_adding_the_diffusion_tokens_to_a_tokenizer_that_lacks_them(tmp_path):
 def test_loading_a_folder_without_a_tokenizer_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="holds no tokenizer"):
         load_tokenizer(tmp_path)
+
+
+def _write_ranks(path, tokens):
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {rank}\n" for t, rank in tokens.items()))
+    return path
+
+
+def test_a_qwen_tokenizer_from_bpe_ranks(tmp_path):
+    ranks = {bytes([b]): b for b in range(256)} | {b"ab": 256, b" a": 257, b"abab": 258, b" ab": 259}
+    assert bpe_merges(ranks) == [(b"a", b"b"), (b" ", b"a"), (b"ab", b"ab"), (b" ", b"ab"), (b" a", b"b")]
+    tokenizer = qwen25vl_tokenizer(_write_ranks(tmp_path / "ranks.tiktoken", ranks))
+    assert tokenizer.encode("abab ab aba 12") == [258, 259, 259, 97, 32, 49, 50]  # a byte's rank is its id
+    assert tokenizer.convert_tokens_to_ids(list(QWEN25VL_ADDED_TOKENS))[:3] == [260, 261, 262]
+    assert diffusion_token_ids(tokenizer) == DiffusionTokenIds(282, 283)
+    with pytest.raises(ValueError, match="without gaps"):
+        qwen25vl_tokenizer(_write_ranks(tmp_path / "gap.tiktoken", ranks | {b"abc": 300}))

@@ -38,6 +38,8 @@ def user_errors() -> Iterator[None]:
     """Known bad input becomes one clear line on stderr and exit status 2, not a traceback."""
     from fastddrive.data.build import OutputExists
     from fastddrive.data.highway import UnknownScenario
+    from fastddrive.data.nuscenes import NuScenesError
+    from fastddrive.data.nuscenes import RecordError as NuScenesRecordError
     from fastddrive.data.sample import DatasetError, SampleError
     from fastddrive.decode.planning_vocabulary import PlanningVocabularyError
     from fastddrive.decode.registry import DecoderError
@@ -51,6 +53,8 @@ def user_errors() -> Iterator[None]:
     known = (
         OutputExists,
         UnknownScenario,
+        NuScenesError,
+        NuScenesRecordError,
         DatasetError,
         SampleError,
         ResponseError,
@@ -135,6 +139,110 @@ def data_highway(
         raise typer.Exit(1)
 
 
+@data_app.command("wod-e2e")
+def data_wod_e2e(
+    src: Annotated[Path, typer.Option(help="Folder of release-format JSON files (training/validation/test).")],
+    out: Annotated[Path, typer.Option(help="Output dataset folder.")],
+    image_root: Annotated[Path | None, typer.Option(help="Root of the records' image paths (default: --src).")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing dataset in --out.")] = False,
+) -> None:
+    """Convert WOD-E2E in the Fast-dDrive / dVLM-AD release format into a dataset (unrated val/test frames
+    dropped as WOD-E2E requires; a malformed record is reported by file and id, the rest converted)."""
+    from fastddrive.data.wod_e2e import convert_wod_e2e
+
+    with user_errors(), _progress() as progress:
+        task = progress.add_task("records", total=None, note="")
+        report = convert_wod_e2e(
+            src, out, image_root, overwrite=overwrite, on_item=lambda: progress.update(task, advance=1)
+        )
+    _report_conversion(out, report.samples, report.failures, report.seconds)
+    console.print(
+        f"unrated frames dropped: {sum(report.unrated.values())}; answers derived from the future: "
+        f"{report.answers_derived}"
+    )
+    if report.failures:
+        raise typer.Exit(1)
+
+
+@data_app.command("nuscenes")
+def data_nuscenes(
+    dataroot: Annotated[Path, typer.Option(help="nuScenes root (the version folder, samples/, can_bus/).")],
+    out: Annotated[Path, typer.Option(help="Output dataset folder.")],
+    version: Annotated[str, typer.Option(help="Table folder: v1.0-mini, v1.0-trainval, v1.0-test, ...")] = "v1.0-mini",
+    six_cameras: Annotated[bool, typer.Option(help="Tile the six cameras instead of CAM_FRONT alone.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing dataset in --out.")] = False,
+) -> None:
+    """Convert nuScenes v1.0 tables (and the CAN bus expansion) into a dataset: ego history, the future in
+    the UniAD/VAD planning frame, the command by their rule, the other agents' boxes (data/nuscenes.py)."""
+    from fastddrive.data.nuscenes import convert_nuscenes
+
+    with user_errors(), _progress() as progress:
+        task = progress.add_task("key frames", total=None, note="")
+        report = convert_nuscenes(
+            dataroot,
+            version,
+            out,
+            six_cameras=six_cameras,
+            overwrite=overwrite,
+            on_start=lambda total: progress.update(task, total=total),
+            on_item=lambda: progress.update(task, advance=1),
+        )
+    _report_conversion(out, report.samples, report.failures, report.seconds)
+    skipped = ", ".join(f"{reason} {n}" for reason, n in report.skipped.items()) or "none"
+    velocity = ", ".join(f"{source} {n}" for source, n in report.velocity_rows.items())
+    console.print(f"{report.scenes} scenes; key frames skipped: {skipped}; history velocity rows from {velocity}")
+    if report.failures:
+        raise typer.Exit(1)
+
+
+def _report_conversion(out: Path, samples: dict[str, int], failures: list, seconds: float) -> None:
+    counts = ", ".join(f"{split} {n}" for split, n in samples.items())
+    console.print(f"wrote {sum(samples.values())} samples ({counts}) in {seconds:.1f} s to {out}")
+    for failure in failures:
+        console.print(f"[red]failed:[/] {failure}", highlight=False, soft_wrap=True)
+
+
+@data_app.command("export")
+def data_export(
+    data: Annotated[Path, typer.Option(help="A fastddrive dataset folder.")],
+    out: Annotated[Path, typer.Option(help="Output folder.")],
+    format: Annotated[str, typer.Option("--format", help="wod-e2e or nuscenes.")],
+    split: Annotated[str | None, typer.Option(help="One split (default: all).")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace what is in --out.")] = False,
+) -> None:
+    """Write a dataset in a real data set's layout (the adapters read it back; users point tools at it):
+    nuScenes v1.0 tables, frames and CAN bus messages, or WOD-E2E release JSON and frames."""
+    from fastddrive.data.sample import SPLITS, DatasetError
+
+    with user_errors():
+        if format not in ("wod-e2e", "nuscenes"):
+            raise DatasetError(f"unknown --format {format!r}; known: wod-e2e, nuscenes")
+        if split is not None and split not in SPLITS:
+            raise DatasetError(f"unknown --split {split!r}; known: {', '.join(SPLITS)}")
+        if format == "nuscenes" and overwrite:
+            raise DatasetError("a nuScenes export needs an empty --out; --overwrite is not supported for it")
+        with _progress() as progress:
+            task = progress.add_task("samples", total=None, note="")
+            advance = lambda: progress.update(task, advance=1)  # noqa: E731
+            if format == "wod-e2e":
+                from fastddrive.data.wod_e2e import export_wod_e2e
+
+                report = export_wod_e2e(data, out, split, overwrite=overwrite, on_item=advance)
+            else:
+                from fastddrive.data.nuscenes import export_nuscenes
+
+                report = export_nuscenes(
+                    data,
+                    out,
+                    splits=SPLITS if split is None else (split,),
+                    on_start=lambda total: progress.update(task, total=total),
+                    on_item=advance,
+                )
+            written, seconds = report.samples, report.seconds
+    counts = ", ".join(f"{name} {n}" for name, n in written.items())
+    console.print(f"exported {sum(written.values())} samples ({counts}) in {seconds:.1f} s to {out}")
+
+
 @data_app.command("show")
 def data_show(
     path: Annotated[Path, typer.Argument(help="Dataset folder.")],
@@ -181,6 +289,9 @@ def data_stats(
     path: Annotated[Path, typer.Argument(help="Dataset folder.")],
     tokenizer: Annotated[Path | None, typer.Option(help="Tokenizer folder (default: the embedded one).")] = None,
     explanation_budget: Annotated[int | None, typer.Option(help="Explanation token budget.")] = None,
+    scaffold_tokenization: Annotated[
+        str, typer.Option(help="pieces (each scaffold piece alone, the embedded models') or runs (maximal runs).")
+    ] = "pieces",
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the figures as JSON.")] = None,
 ) -> None:
     """Counts per scenario, meta-behaviour distribution, explanation truncations, the scaffold table."""
@@ -194,6 +305,7 @@ def data_stats(
         scaffold = Scaffold(
             load_tokenizer(tokenizer or default_tokenizer_path()),
             explanation_budget=explanation_budget or DEFAULT_EXPLANATION_BUDGET,
+            scaffold_tokenization=scaffold_tokenization,
         )
         per_split = {s: dataset.table(s, columns=["scenario", "command", "response"]).to_pylist() for s in SPLITS}
     rows = [row for split in SPLITS for row in per_split[split]]
@@ -201,7 +313,8 @@ def data_stats(
         console.print(f"{path} holds no samples")
         raise typer.Exit(1)
     responses = [parse(r["response"]) for r in rows]
-    scenarios = Table(title=f"Samples per scenario ({dataset.manifest['settings']['episodes']} episodes)")
+    episodes = dataset.manifest.get("settings", {}).get("episodes")
+    scenarios = Table(title="Samples per scenario" + (f" ({episodes} episodes)" if episodes else ""))
     scenarios.add_column("scenario")
     for split in SPLITS:
         scenarios.add_column(split, justify="right")
@@ -283,6 +396,9 @@ def tokenizer_table(
     tokenizer: Annotated[Path | None, typer.Option(help="Tokenizer folder (default: the embedded one).")] = None,
     explanation_budget: Annotated[int | None, typer.Option(help="Explanation token budget.")] = None,
     block_size: Annotated[int, typer.Option(min=1, help="Block size for the block count.")] = 32,
+    scaffold_tokenization: Annotated[
+        str, typer.Option(help="pieces (each scaffold piece alone, the embedded models') or runs (maximal runs).")
+    ] = "pieces",
 ) -> None:
     """Print the scaffold table (paper 000 Table 1) and the slot budgets for a tokenizer."""
     from fastddrive.scaffold import DEFAULT_EXPLANATION_BUDGET, Scaffold
@@ -290,10 +406,14 @@ def tokenizer_table(
 
     with user_errors():
         loaded = load_tokenizer(tokenizer or default_tokenizer_path())
-    ids = add_diffusion_tokens(loaded)
+        ids = add_diffusion_tokens(loaded)
+        scaffold = Scaffold(
+            loaded,
+            explanation_budget=explanation_budget or DEFAULT_EXPLANATION_BUDGET,
+            scaffold_tokenization=scaffold_tokenization,
+        )
     if ids.added:
         console.print(f"added {', '.join(ids.added)} (ids {ids.mask_id}, {ids.null_id}) to this tokenizer")
-    scaffold = Scaffold(loaded, explanation_budget=explanation_budget or DEFAULT_EXPLANATION_BUDGET)
     console.print(_scaffold_table(scaffold))
     budgets = Counter((_slot_kind(s.name), s.budget) for s in scaffold.slots)
     console.print(

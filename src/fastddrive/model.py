@@ -53,6 +53,7 @@ class CheckpointInfo:
     null_token_id: int | None = None
     explanation_budget: int | None = None
     block_size: int | None = None
+    scaffold_tokenization: str = "pieces"  # how the scaffold it was trained on cuts its text (scaffold.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

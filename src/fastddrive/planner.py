@@ -83,7 +83,9 @@ class Planner:
     def __init__(self, model: BlockDiffusionModel) -> None:
         self.model = model
         budget = model.info.explanation_budget or DEFAULT_EXPLANATION_BUDGET
-        self.scaffold = Scaffold(model.tokenizer, explanation_budget=budget)
+        self.scaffold = Scaffold(
+            model.tokenizer, explanation_budget=budget, scaffold_tokenization=model.info.scaffold_tokenization
+        )
 
     def prompt(self, scene: DrivingSample | PlanInputs) -> PromptInputs:
         images = [scene.image] if isinstance(scene, DrivingSample) else scene.images

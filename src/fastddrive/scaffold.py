@@ -5,6 +5,12 @@ given tokenizer the response text of `schema.render_pieces` is tokenized piecewi
 (keys, quotes, braces, the decimal point) once, each value slot separately with a fixed token budget
 padded with <|NULL|>. Every response then has the same length and the same scaffold ids, so a decoder
 only predicts value positions and whatever it writes rebuilds into valid JSON.
+
+`scaffold_tokenization` says how the scaffold text is cut: "pieces" (the default, and what the embedded
+checkpoints were trained on) tokenizes each scaffold piece alone; "runs" tokenizes every maximal run of
+adjacent scaffold pieces as one text, so BPE merges across piece boundaries (`"` + `,` -> `",`) as it does in
+the whole JSON text, and the scaffold ids come as close to the tokenization of the whole answer as fixed value
+slots allow. A checkpoint must be decoded with the tokenization it was trained with.
 """
 
 from __future__ import annotations
@@ -12,17 +18,30 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Literal
 
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fastddrive.schema import SECTIONS, DrivingResponse, ResponseError, from_slot_values, render_pieces, slot_choices
+from fastddrive.schema import (
+    SECTIONS,
+    DrivingResponse,
+    Piece,
+    ResponseError,
+    SpecialTokenText,
+    from_slot_values,
+    render_pieces,
+    slot_choices,
+)
 from fastddrive.schema import example_response as _example_response
 from fastddrive.tokenizer import diffusion_token_ids
 
 DEFAULT_EXPLANATION_BUDGET = 32  # the longest simulator explanation is 20 tokens; the release uses 192
 DEFAULT_BLOCK_SIZE = 32
+ScaffoldTokenization = Literal["pieces", "runs"]
+SCAFFOLD_TOKENIZATIONS: tuple[str, ...] = ("pieces", "runs")
+DEFAULT_SCAFFOLD_TOKENIZATION: ScaffoldTokenization = "pieces"  # the embedded checkpoints' scaffold ids
 
 
 class SlotOverflow(ValueError):
@@ -83,6 +102,8 @@ class Scaffold:
 
     `explanation_budget` is the token budget of the free-text explanation; every other slot gets the
     largest token count of any text it can hold, unless `budgets` overrides it by slot name.
+    `scaffold_tokenization` is "pieces" (each scaffold piece alone) or "runs" (maximal runs of adjacent
+    scaffold pieces together; a token spanning two sections counts in the one it starts in).
     """
 
     def __init__(
@@ -90,8 +111,15 @@ class Scaffold:
         tokenizer: PreTrainedTokenizerBase,
         explanation_budget: int = DEFAULT_EXPLANATION_BUDGET,
         budgets: Mapping[str, int] | None = None,
+        scaffold_tokenization: ScaffoldTokenization = DEFAULT_SCAFFOLD_TOKENIZATION,
     ) -> None:
+        if scaffold_tokenization not in SCAFFOLD_TOKENIZATIONS:
+            raise ValueError(
+                f"scaffold_tokenization must be one of {SCAFFOLD_TOKENIZATIONS}, got {scaffold_tokenization!r}"
+            )
         self.tokenizer = tokenizer
+        self.scaffold_tokenization = scaffold_tokenization
+        self.special_texts = tuple(tokenizer.get_added_vocab())
         ids = diffusion_token_ids(tokenizer)
         self.mask_id, self.null_id = ids.mask_id, ids.null_id
         overrides = dict(budgets or {})
@@ -102,12 +130,13 @@ class Scaffold:
         is_value: list[bool] = []
         slots: list[Slot] = []
         longest: dict[tuple[str, ...], int] = {}
-        for piece in render_pieces(_example_response()):
-            section = SECTIONS.index(piece.section)
+        for run in _runs(render_pieces(_example_response()), joined=scaffold_tokenization == "runs"):
+            piece = run[0]
             if piece.slot is None:
-                piece_ids = self._tokens(piece.text)
-                template += piece_ids
-                is_value += [False] * len(piece_ids)
+                for token, section in self._scaffold_tokens(run):
+                    template.append(token)
+                    sections.append(SECTIONS.index(section))
+                    is_value.append(False)
             else:
                 budget = overrides.pop(piece.slot, None)
                 if budget is None:
@@ -120,8 +149,7 @@ class Scaffold:
                 slots.append(Slot(piece.slot, piece.section, len(template), budget))
                 template += [self.mask_id] * budget
                 is_value += [True] * budget
-                piece_ids = [self.mask_id] * budget
-            sections += [section] * len(piece_ids)
+                sections += [SECTIONS.index(piece.section)] * budget
         if overrides:
             raise KeyError(f"budgets name unknown slots: {', '.join(sorted(overrides))}")
 
@@ -139,6 +167,25 @@ class Scaffold:
 
     def _tokens(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _scaffold_tokens(self, run: Sequence[Piece]) -> list[tuple[int, str]]:
+        """(id, section) of each token of a run of scaffold pieces tokenized as one text."""
+        if len(run) == 1:
+            return [(t, run[0].section) for t in self._tokens(run[0].text)]
+        encoding = self.tokenizer("".join(p.text for p in run), add_special_tokens=False, return_offsets_mapping=True)
+        ends = np.cumsum([len(p.text) for p in run])
+        sections = [
+            run[int(np.searchsorted(ends, start, side="right"))].section for start, _ in encoding.offset_mapping
+        ]
+        return list(zip(encoding.input_ids, sections, strict=True))
+
+    def _refuse_special_text(self, explanation: str) -> None:
+        """Raise SpecialTokenText if the explanation slot text holds one of the tokenizer's added tokens."""
+        if found := next((t for t in self.special_texts if t in explanation), None):
+            raise SpecialTokenText(
+                f"explanation: contains {found!r}, the text of a special token of this tokenizer, "
+                "which the token scaffold cannot carry as text"
+            )
 
     def _text(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -195,11 +242,13 @@ class Scaffold:
         """Target ids of `response` in this layout.
 
         An explanation longer than its budget is cut at a word boundary (`truncated`); any other
-        value that does not fit raises SlotOverflow naming the slot.
+        value that does not fit raises SlotOverflow naming the slot. An explanation holding a special token's
+        text raises SpecialTokenText.
         """
         ids = self.template_ids.copy()
         truncated = False
         values = {p.slot: p.text for p in render_pieces(response) if p.slot is not None}
+        self._refuse_special_text(values["explanation"])
         for slot in self.slots:
             tokens = self._tokens(values[slot.name])
             if len(tokens) > slot.budget:
@@ -238,8 +287,11 @@ class Scaffold:
         return {s.name: self._text([t for t in ids[s.start : s.end] if t != self.null_id]) for s in self.slots}
 
     def decode(self, ids: Sequence[int]) -> DrivingResponse:
-        """Rebuild the response from a full id sequence; raises ResponseError naming a bad slot."""
-        return from_slot_values(self.slot_texts(ids))
+        """Rebuild the response from a full id sequence; raises ResponseError naming a bad slot (a
+        SpecialTokenText where the explanation holds a special token)."""
+        texts = self.slot_texts(ids)
+        self._refuse_special_text(texts["explanation"])
+        return from_slot_values(texts)
 
     def text(self, ids: Sequence[int]) -> str:
         """The response text of a full id sequence, NULL padding stripped."""
@@ -260,3 +312,14 @@ class Scaffold:
         values = int(self.is_value.sum())
         rows.append(SectionCount("all", len(self), len(self) - values, values))
         return rows
+
+
+def _runs(pieces: Sequence[Piece], joined: bool) -> list[list[Piece]]:
+    """The pieces grouped for tokenization: each alone, or (`joined`) adjacent scaffold pieces together."""
+    runs: list[list[Piece]] = []
+    for piece in pieces:
+        if joined and runs and piece.slot is None and runs[-1][-1].slot is None:
+            runs[-1].append(piece)
+        else:
+            runs.append([piece])
+    return runs

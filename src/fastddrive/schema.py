@@ -25,6 +25,7 @@ from itertools import product
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic_core import PydanticCustomError
 
 SECTIONS: tuple[str, ...] = ("critical_objects", "explanation", "future_meta_behavior", "trajectory")
 
@@ -68,10 +69,18 @@ _PAIR = rf"\[\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\]"
 _TRAJECTORY_TEXT = re.compile(rf"^\s*\[\s*{_PAIR}(?:\s*,\s*{_PAIR})*\s*\]\s*$")
 _INT_PART = re.compile(rf"^[+-]\d{{{COORD_INT_DIGITS}}}$")
 _FRAC_PART = re.compile(rf"^\d{{{COORD_FRAC_DIGITS}}}$")
+# The text of a control token: Qwen's `<|im_end|>`, `<|vision_start|>`, ... and fastddrive's `<|NULL|>`, `|<MASK>|`.
+SPECIAL_TOKEN_TEXT = re.compile(r"<\|[^<>|\s]+\|>|\|<[^<>|\s]+>\|")
+_SPECIAL_TOKEN_ERROR = "special_token_text"
 
 
 class ResponseError(ValueError):
     """A driving response that is malformed or outside the schema."""
+
+
+class SpecialTokenText(ResponseError):
+    """An explanation holding a special token's text, which a token scaffold would turn into that control
+    token or lose (<|NULL|> is padding, |<MASK>| an undecided position; paper 000 section 3.2)."""
 
 
 class MetaBehavior(BaseModel):
@@ -127,7 +136,14 @@ class DrivingResponse(BaseModel):
     def _one_line(cls, value: str) -> str:
         # One canonical spelling per explanation: runs of whitespace (newlines included) become a space, and
         # Unicode is NFC, as the Qwen2 tokenizer normalizes it (else U+2F800 would come back as U+4E3D).
-        return " ".join(unicodedata.normalize("NFC", value).split())
+        text = " ".join(unicodedata.normalize("NFC", value).split())
+        if found := SPECIAL_TOKEN_TEXT.search(text):
+            raise PydanticCustomError(
+                _SPECIAL_TOKEN_ERROR,
+                "contains '{token}', written like a special token (<|...|>, |<...>|), which a scaffold cannot carry",
+                {"token": found.group()},
+            )
+        return text
 
     @field_validator("trajectory", mode="before")
     @classmethod
@@ -304,7 +320,9 @@ def _validated(data: Mapping[str, Any]) -> DrivingResponse:
     try:
         return DrivingResponse.model_validate(dict(data))
     except ValueError as err:
-        raise ResponseError(_first_error(err)) from None
+        errors = getattr(err, "errors", None)
+        special = errors is not None and errors()[0]["type"] == _SPECIAL_TOKEN_ERROR
+        raise (SpecialTokenText if special else ResponseError)(_first_error(err)) from None
 
 
 def _first_error(err: ValueError) -> str:

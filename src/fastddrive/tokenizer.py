@@ -3,10 +3,12 @@
 The embedded tokenizer uses Qwen2's exact pre-tokenization (NFC, the Qwen2 split regex that isolates
 every digit, byte-level BPE) and is saved as a `Qwen2Tokenizer`, the class a real Qwen2.5-VL
 checkpoint uses, so both load through `AutoTokenizer.from_pretrained(local_dir)`.
+`qwen25vl_tokenizer` rebuilds the real Qwen2.5-VL tokenizer offline from its BPE ranks (`qwen.tiktoken`).
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -14,7 +16,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen2Tokenizer
 
 # Qwen2's pre-tokenizer regex: `\p{N}` alone keeps every digit its own token.
@@ -31,6 +33,33 @@ CHAT_TOKENS: tuple[str, ...] = (
 MASK_TOKEN = "|<MASK>|"
 NULL_TOKEN = "<|NULL|>"
 DEFAULT_VOCAB_SIZE = 1024
+# Qwen2.5-VL's added tokens, ids 151643.. in this order (its tokenizer_config.json); the first 14 are special.
+QWEN25VL_ADDED_TOKENS: tuple[str, ...] = (
+    END_OF_TEXT,
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+)
+QWEN25VL_SPECIAL_COUNT = 14
+QWEN25VL_BPE_RANKS = 151_643
 
 
 class MissingDiffusionTokens(ValueError):
@@ -141,3 +170,60 @@ def diffusion_token_ids(tokenizer: PreTrainedTokenizerBase) -> DiffusionTokenIds
 def _ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, int]:
     vocab = tokenizer.get_vocab()
     return vocab[MASK_TOKEN], vocab[NULL_TOKEN]
+
+
+def read_bpe_ranks(path: str | Path) -> dict[bytes, int]:
+    """A tiktoken BPE ranks file (one `base64(token) rank` per line) as {token bytes: rank}."""
+    ranks: dict[bytes, int] = {}
+    for line in Path(path).read_bytes().splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def bpe_merges(ranks: Mapping[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """The merges that rebuild BPE ranks, in rank order (as transformers' `TikTokenConverter` recovers them):
+    every split of a token into two tokens, ordered by the token's rank and then by the ranks of its halves."""
+    merges: list[tuple[int, int, int, bytes, bytes]] = []
+    for token, rank in ranks.items():
+        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
+        merges += [(rank, ranks[a], ranks[b], a, b) for a, b in splits]
+    return [(a, b) for *_, a, b in sorted(merges)]
+
+
+def qwen25vl_tokenizer(ranks_path: str | Path, diffusion_tokens: bool = True) -> Qwen2Tokenizer:
+    """The real Qwen2.5-VL tokenizer rebuilt offline from its BPE ranks file `qwen.tiktoken`.
+
+    Byte-level BPE over the 151,643 ranks with Qwen2's NFC normalization and split regex (one digit per
+    token), the 22 added tokens at ids 151643-151664, `<|im_end|>` as eos and `<|endoftext|>` as pad, as in
+    Qwen2.5-VL's tokenizer_config.json; then |<MASK>| and <|NULL|> (151665, 151666) as `add_diffusion_tokens`
+    gives them to any checkpoint (paper 000 section 3.2). Nothing is fetched.
+    """
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # byte -> character of byte-level BPE
+
+    ranks = read_bpe_ranks(ranks_path)
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError(f"{ranks_path}: the BPE ranks are not 0..{len(ranks) - 1} without gaps")
+    byte_char = bytes_to_unicode()
+
+    def text(token: bytes) -> str:
+        return "".join(byte_char[b] for b in token)
+
+    vocab = {text(t): r for t, r in ranks.items()}
+    vocab |= {t: len(ranks) + k for k, t in enumerate(QWEN25VL_ADDED_TOKENS)}
+    merges = [(text(a), text(b)) for a, b in bpe_merges(ranks)]
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab, merges=merges, unk_token=None, eos_token="<|im_end|>", pad_token=END_OF_TEXT, errors="replace"
+    )
+    tokenizer.add_tokens(
+        [
+            AddedToken(t, special=k < QWEN25VL_SPECIAL_COUNT, normalized=False)
+            for k, t in enumerate(QWEN25VL_ADDED_TOKENS)
+        ]
+    )
+    extra = list(QWEN25VL_ADDED_TOKENS[1:QWEN25VL_SPECIAL_COUNT])
+    tokenizer.add_special_tokens({"additional_special_tokens": extra}, replace_extra_special_tokens=False)
+    if diffusion_tokens:
+        add_diffusion_tokens(tokenizer)
+    return tokenizer

@@ -79,6 +79,7 @@ class TrainConfig(BaseModel):
     noise_window: int = Field(default=16, ge=1)
     ar_weight: float = Field(default=1.0, ge=0)
     explanation_budget: int = 32
+    scaffold_tokenization: Literal["pieces", "runs"] = "pieces"  # "runs" for real BPE vocabularies (scaffold.py)
     checkpoint_every: int = 200
     keep_checkpoints: int = 2
     validate_every: int = 200

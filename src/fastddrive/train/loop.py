@@ -96,6 +96,7 @@ def initial_model(config: TrainConfig) -> BlockDiffusionModel:
         null_token_id=wrapper.info.null_token_id,
         explanation_budget=config.explanation_budget,
         block_size=config.block_size,
+        scaffold_tokenization=config.scaffold_tokenization,
         extra={"preset": config.name},
     )
     return wrapper
@@ -209,7 +210,11 @@ def train(
 
     model = load_model(checkpoint.path, training=True) if checkpoint else initial_model(config)
     model.model.to(accelerator.device).train()
-    scaffold = Scaffold(model.tokenizer, explanation_budget=config.explanation_budget)
+    scaffold = Scaffold(
+        model.tokenizer,
+        explanation_budget=config.explanation_budget,
+        scaffold_tokenization=config.scaffold_tokenization,
+    )
     # A Jacobi Forcing model stays an AR model: it is validated as the AR recipe's are.
     jacobi = JacobiForcingCollator(model, scaffold, config) if config.recipe == "jf" else None
     collator = DualStreamCollator(

@@ -1,0 +1,525 @@
+"""WOD-E2E in the Fast-dDrive / dVLM-AD release format: read it into a dataset, and write a dataset as it.
+
+The format, as the release reads and writes it. One JSON array of records per split (NVlabs/Fast-dLLM
+`fast_ddrive/eval/batch_inference.py`, `--eval_json`); the split is read off the file name (`training` or
+`train`, `validation` or `val`, `test`; e.g. dVLM-AD's `dvlm-ad_waymo_e2e_val_cot.json`), and an export
+writes `training.json`, `validation.json`, `test.json`, the WOD-E2E split names. Each record holds:
+- `sample_id`: the WOD frame name; `image`: paths relative to the image root (a leading `dataset/` is
+  dropped, batch_inference.py `_resolve_single_image_path`), front-left, front, front-right camera
+  (Kaiwen-Hong/Fast-dLLM `fast_ddrive/data/convert_wod_e2e.py` FRONT_TRIPLET, a fork's converter: NVlabs has
+  not published its own; the WOD tutorial's camera order 2, 1, 3); a single path is one camera. An export
+  writes `images/<split>/<sample_id>_<CAMERA>.jpg` (that script: `images/<sample_id>_<CAMERA>.jpg`).
+- `navigation_command`: the EgoIntent name GO_STRAIGHT, GO_LEFT or GO_RIGHT; UNKNOWN reads as go_straight
+  (convert_wod_e2e.py `intent_to_nav`; waymo-open-dataset `protos/end_to_end_driving_data.proto`).
+- `conversations`: the human prompt, the release's fixed instructions with one `<image>`, the command and
+  the ego state at t = -3.0..0 s every 0.5 s, byte for byte as SaFo-Lab/dVLM-AD `eval/inference.py`; then
+  the answer JSON (`schema.render`). batch_inference.py takes the answer from `"from": "assistant"`, the
+  LLaVA-style data files from `"gpt"` (written here); both are read. An answer outside `schema` (say, the
+  fork's weak labels "keep speed") makes the record malformed.
+- `future waypoints`: 20 [x, y] at 0.25..5 s (a JSON string of them is read too, as batch_inference.py);
+  `gt_5waypoints_1s` and `rated` (convert_wod_e2e.py); `timestamp_micros`, `history waypoints`, `velocity`,
+  `acceleration` (dVLM-AD `eval/waymo/eval_planning.py`): WOD-E2E `past_states`, 16 rows at 4 Hz over
+  (-4, 0] s, of which rows 3, 5, ..., 15 are the 0.5 s history (convert_wod_e2e.py HIST_IDX). Without them
+  the history is read from the prompt (2 decimals).
+
+Where the release is silent, or this project differs (choices made here):
+- Raters: the release keeps them in the WOD-E2E tfrecords (`E2EDFrame.preference_trajectories`, read by
+  `fast_ddrive/eval/evaluate_waymo_metrics.py`), not in the JSON; records here carry them under that proto's
+  names, `preference_trajectories: [{"pos_x": [20], "pos_y": [20], "preference_score": s}, ...]`. Records
+  without them have no raters (tfrecords are not read: that needs tensorflow and the WOD protos).
+- Unrated frames: the official evaluator scores a frame only when it has preference trajectories and the
+  first one's score is not -1 (evaluate_waymo_metrics.py `load_waymo_e2e_data`); in val and test other
+  frames are dropped and counted (as is a record with `rated: false` and no trajectories); in train they
+  are kept, without raters.
+- One image per sample: the cameras are scaled to one height and laid side by side, left to right, each
+  within the release's Qwen2.5-VL pixel budget (batch_inference.py `max_pixels = 200704`) by Qwen2.5-VL's
+  smart_resize rule, except that a camera is never enlarged beyond rounding its sides to 28 px (the release
+  also sets `min_pixels = 200704`): frames in budget keep their pixels. An export cuts the frame into three
+  cameras at 28 px boundaries, so a round trip gives it back: exactly as PNG, to JPEG's loss as JPEG
+  (quality 95, no chroma subsampling; the release copies Waymo's own JPEG bytes).
+- An export's ego state holds the 7 rows at 0.5 s that a sample keeps, not WOD's 16 at 4 Hz.
+- A record whose answer is empty or a mask template (`<|mdm_mask|>`, dVLM-AD's eval files) gets a derived
+  answer, counted: the future at 1..5 s, no critical object, no explanation, meta behaviour other/other.
+- Sample fields with no release counterpart: scenario `wod-e2e`, episode_seed 0, time_s from
+  `timestamp_micros` (0 without), a NaN view (a camera frame is no top view), no other agents (WOD-E2E has
+  no boxes, so no collision metric), the default ego size.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from PIL import Image
+
+from fastddrive.data.build import RATER_SPLITS, OutputExists, _prepare_output, _write_manifest
+from fastddrive.data.sample import (
+    FUTURE_INTERVAL_S,
+    FUTURE_STEPS,
+    HISTORY_INTERVAL_S,
+    HISTORY_STEPS,
+    IMAGE_UNIT_PX,
+    SPLITS,
+    CameraView,
+    DrivingDataset,
+    DrivingSample,
+    encode_png,
+    write_shard,
+)
+from fastddrive.schema import CRITICAL_OBJECT_CLASSES, WAYPOINT_INTERVAL_S, DrivingResponse, MetaBehavior, parse, render
+
+SOURCE = "wod-e2e"
+RELEASE_SPLITS = {"train": "training", "val": "validation", "test": "test"}  # our split -> the file an export writes
+_SPLIT_WORDS = {"train": "train", "training": "train", "val": "val", "validation": "val", "test": "test"}
+CAMERAS = ("FRONT_LEFT", "FRONT", "FRONT_RIGHT")
+RELEASE_MAX_PIXELS = 200_704  # per camera: batch_inference.py min_pixels = max_pixels
+JPEG_QUALITY = 95
+SHARD_SIZE = 128  # samples per parquet shard
+INTENTS = {"go_straight": "GO_STRAIGHT", "go_left": "GO_LEFT", "go_right": "GO_RIGHT"}
+_COMMANDS = {name: command for command, name in INTENTS.items()} | {"UNKNOWN": "go_straight"}
+PAST_STATES_4HZ = 16  # WOD-E2E past_states: t = (-4, 0] s at 4 Hz
+HISTORY_ROWS_4HZ = (3, 5, 7, 9, 11, 13, 15)  # t = -3.0, -2.5, ..., 0.0 s
+_STATE_FIELDS = ("history waypoints", "velocity", "acceleration")
+MASK_TOKEN = "<|mdm_mask|>"
+_WAYPOINT_STEP = round(WAYPOINT_INTERVAL_S / FUTURE_INTERVAL_S)
+_WAYPOINT_ROWS = slice(_WAYPOINT_STEP - 1, None, _WAYPOINT_STEP)  # the future at t = 1..5 s
+_FUTURE_TIME_S = np.arange(1, FUTURE_STEPS + 1) * FUTURE_INTERVAL_S
+_HISTORY_LABELS = tuple(f"{(k - HISTORY_STEPS + 1) * HISTORY_INTERVAL_S:+.1f}" for k in range(HISTORY_STEPS))
+_NO_VIEW = CameraView(math.nan, (math.nan, math.nan), math.nan)
+
+# The human turn, byte for byte as the release (dVLM-AD eval/inference.py; convert_wod_e2e.py PROMPT_PREFIX).
+PROMPT = (
+    "You are an expert autonomous driving agent.\n"
+    "Task 1: Critical Object Detection\n"
+    'For each class below, answer "yes" or "no" to indicate whether it affects the ego '
+    "vehicle’s behavior or future trajectory:\n"
+    "[nearby_vehicle, pedestrian, cyclist, construction, traffic_element, weather_condition, "
+    "road_hazard, emergency_vehicle, animal, special_vehicle, conflicting_vehicle, door_opening_vehicle]\n"
+    "Task 2: Scene Reasoning\n"
+    "Predict the future behavior of the identified critical objects and explain how the identified critical "
+    "objects or conditions affect the ego vehicle’s next 3-second trajectory.\n"
+    "Task 3: Meta-Behavior Prediction\n"
+    "Predict the ego vehicle’s future meta-driving behavior:\n"
+    "- speed ∈ {keep, accelerate, decelerate, stop, other}\n"
+    "- command ∈ {straight, yield, left_turn, right_turn, lane_follow, lane_change_left, lane_change_right, "
+    "reverse, overtake, other}\n"
+    "Task 4: Trajectory Prediction\n"
+    "Predict the optimal 5-second future trajectory (5 waypoints, 1 s intervals).\n\n"
+    "Input:\n"
+    "- <image>: three front-view frames from left front, center front, right front cameras. \n"
+    "- High-level navigation command: {NAV}\n"
+    "- Historical ego state: Provided are the previous ego vehicle status recorded over the last 3.0 seconds "
+    "(at 0.5-second intervals).{HIST}\n\n"
+    "Output:"
+)
+_NUMBER = r"[+-]?\d+(?:\.\d+)?"
+_STATE = re.compile(
+    rf"\(t([+-]\d+\.\d)s\) \[({_NUMBER}), ({_NUMBER})\], Acceleration: X ({_NUMBER}), Y ({_NUMBER}) m/s², "
+    rf"Velocity: X ({_NUMBER}), Y ({_NUMBER}) m/s,"
+)
+
+
+class RecordError(ValueError):
+    """A release record that cannot become a sample."""
+
+
+@dataclass(frozen=True)
+class RecordOutcome:
+    """What became of one record: a sample, an unrated frame dropped, or the error that stopped it.
+
+    `record_id` is the record's sample_id (`#<index>` when it has none; empty for a whole-file error).
+    """
+
+    file: Path
+    record_id: str
+    split: str
+    sample: DrivingSample | None = None
+    answer_derived: bool = False
+    unrated: bool = False
+    error: str | None = None
+
+    def __str__(self) -> str:
+        where = f"{self.file}: record {self.record_id}" if self.record_id else str(self.file)
+        return f"{where}: {self.error}" if self.error else where
+
+
+@dataclass(frozen=True)
+class ConversionReport:
+    samples: dict[str, int]  # per split
+    unrated: dict[str, int]  # unrated frames dropped, per split
+    answers_derived: int
+    failures: list[RecordOutcome]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    samples: dict[str, int]  # per release file written (training, validation, test)
+    seconds: float
+
+
+def split_of(path: Path) -> str | None:
+    """Our split for a release file, from the words of its name; None unless exactly one split is named."""
+    words = {_SPLIT_WORDS[w] for w in re.split(r"[^a-z0-9]+", path.stem.lower()) if w in _SPLIT_WORDS}
+    return words.pop() if len(words) == 1 else None
+
+
+def camera_height_px(height: int, width: int, max_pixels: int) -> int:
+    """The height Qwen2.5-VL's smart_resize gives a camera, without enlarging it into min_pixels."""
+    unit = IMAGE_UNIT_PX
+    fitted = max(unit, round(height / unit) * unit)
+    if fitted * max(unit, round(width / unit) * unit) > max_pixels:
+        fitted = max(unit, math.floor(height / math.sqrt(height * width / max_pixels) / unit) * unit)
+    return fitted
+
+
+def join_cameras(cameras: list[np.ndarray], max_pixels: int = RELEASE_MAX_PIXELS) -> np.ndarray:
+    """Cameras side by side at the height the middle (front) one fits to; widths floored to 28 px."""
+    middle = cameras[len(cameras) // 2]
+    height = camera_height_px(*middle.shape[:2], max_pixels)
+    parts = []
+    for image in cameras:
+        h, w = image.shape[:2]
+        width = max(IMAGE_UNIT_PX, w * height // h // IMAGE_UNIT_PX * IMAGE_UNIT_PX)
+        if (h, w) != (height, width):
+            image = np.asarray(Image.fromarray(image).resize((width, height), Image.Resampling.BICUBIC))
+        parts.append(image)
+    return np.concatenate(parts, axis=1)
+
+
+def split_cameras(image: np.ndarray) -> list[np.ndarray]:
+    """A frame cut into front-left, front and front-right cameras at 28 px boundaries (the inverse of joining)."""
+    units = image.shape[1] // IMAGE_UNIT_PX
+    if units < len(CAMERAS):
+        raise ValueError(f"a frame {image.shape[1]} px wide is too narrow to cut into {len(CAMERAS)} cameras")
+    side = units // len(CAMERAS) * IMAGE_UNIT_PX
+    return np.split(image, [side, image.shape[1] - side], axis=1)
+
+
+def prompt_text(command: str, history: np.ndarray) -> str:
+    """The release's human turn for a navigation command and a (7, 6) ego history."""
+    states = "; ".join(
+        f"(t{label}s) [{x:.2f}, {y:.2f}], Acceleration: X {ax:.2f}, Y {ay:.2f} m/s², "
+        f"Velocity: X {vx:.2f}, Y {vy:.2f} m/s,"
+        for label, (x, y, vx, vy, ax, ay) in zip(_HISTORY_LABELS, history, strict=True)
+    )
+    return PROMPT.replace("{NAV}", INTENTS[command]).replace("{HIST}", states)
+
+
+def _xy(value: Any, name: str) -> np.ndarray:
+    if isinstance(value, str):
+        value = json.loads(value)
+    points = np.asarray(value, dtype=np.float64)
+    if points.ndim != 2 or points.shape[1] != 2:
+        raise RecordError(f"{name!r} must be a list of [x, y] points, got shape {points.shape}")
+    return points
+
+
+def _history(record: dict[str, Any], prompt: str) -> np.ndarray:
+    present = [name for name in _STATE_FIELDS if name in record]
+    if not present:
+        return history_from_prompt(prompt)
+    if len(present) < len(_STATE_FIELDS):
+        missing = ", ".join(repr(n) for n in _STATE_FIELDS if n not in present)
+        raise RecordError(f"ego state has {', '.join(repr(n) for n in present)} but not {missing}")
+    parts = [_xy(record[name], name) for name in _STATE_FIELDS]
+    rows = {len(p) for p in parts}
+    if rows == {PAST_STATES_4HZ}:
+        parts = [p[list(HISTORY_ROWS_4HZ)] for p in parts]
+    elif rows != {HISTORY_STEPS}:
+        raise RecordError(
+            f"ego state must be {PAST_STATES_4HZ} rows at 4 Hz or {HISTORY_STEPS} at 0.5 s, got {sorted(rows)} rows"
+        )
+    return np.concatenate(parts, axis=1)
+
+
+def history_from_prompt(prompt: str) -> np.ndarray:
+    """The (7, 6) ego history written in a release prompt (2 decimals), columns x, y, vx, vy, ax, ay."""
+    states = _STATE.findall(prompt)
+    if tuple(s[0] for s in states) != _HISTORY_LABELS:
+        raise RecordError(f"the prompt's historical ego state is not {HISTORY_STEPS} states at t-3.0s..t+0.0s")
+    return np.array([[x, y, vx, vy, ax, ay] for _, x, y, ax, ay, vx, vy in states], dtype=np.float64)
+
+
+def _conversation(record: dict[str, Any]) -> tuple[str, str]:
+    """The (last) human prompt and the (last) answer; the answer is empty when there is none."""
+    messages = record["conversations"]
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise RecordError("'conversations' must be a list of {from, value} messages")
+    prompts = [str(m.get("value", "")) for m in messages if m.get("from") == "human"]
+    answers = [str(m.get("value", "")) for m in messages if m.get("from") in ("gpt", "assistant")]
+    if not prompts:
+        raise RecordError("'conversations' has no human message")
+    return prompts[-1], answers[-1] if answers else ""
+
+
+def _answer(text: str, future: np.ndarray) -> tuple[DrivingResponse, bool]:
+    """The record's answer, or (when it is empty or a mask template) one derived from the future."""
+    if text.strip() and MASK_TOKEN not in text:
+        return parse(text), False
+    derived = DrivingResponse(
+        critical_objects={name: False for name in CRITICAL_OBJECT_CLASSES},
+        explanation="",
+        future_meta_behavior=MetaBehavior(longitudinal="other", lateral="other"),
+        trajectory=future[_WAYPOINT_ROWS],
+    )
+    return derived, True
+
+
+def _image(value: Any, root: Path, max_pixels: int) -> np.ndarray:
+    paths = [value] if isinstance(value, str) else value
+    if not isinstance(paths, list) or not paths or not all(isinstance(p, str) for p in paths):
+        raise RecordError("'image' must be a path or a list of paths")
+    cameras = []
+    for relative in paths:
+        path = root / relative.removeprefix("dataset/").removeprefix("dataset\\")
+        if not path.is_file():
+            raise RecordError(f"image file {path} is missing")
+        with Image.open(path) as image:
+            cameras.append(np.asarray(image.convert("RGB")))
+    return join_cameras(cameras, max_pixels)
+
+
+def _raters(record: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The rater futures and scores, none for an unrated frame (the official evaluator's rule)."""
+    rated = record.get("preference_trajectories")
+    if rated is None:
+        return None if record.get("rated") is False else (np.zeros((0, FUTURE_STEPS, 2)), np.zeros(0))
+    if not isinstance(rated, list) or not all(isinstance(t, dict) for t in rated):
+        raise RecordError("'preference_trajectories' must be a list of {pos_x, pos_y, preference_score}")
+    if not rated or float(rated[0]["preference_score"]) == -1:
+        return None
+    futures = np.array([np.stack([t["pos_x"], t["pos_y"]], axis=-1) for t in rated], dtype=np.float64)
+    return futures, np.array([t["preference_score"] for t in rated], dtype=np.float64)
+
+
+def _sample(record: dict[str, Any], split: str, root: Path, max_pixels: int) -> tuple[DrivingSample | None, bool]:
+    """The record as a sample (None for an unrated frame that `split` drops) and whether its answer is derived."""
+    raters = _raters(record)
+    if raters is None and split in RATER_SPLITS:
+        return None, False
+    prompt, answer = _conversation(record)
+    command = record["navigation_command"]
+    if command not in _COMMANDS:
+        raise RecordError(f"unknown navigation_command {command!r}; known: {', '.join(_COMMANDS)}")
+    future = _xy(record["future waypoints"], "future waypoints")
+    if len(future) != FUTURE_STEPS:
+        raise RecordError(f"'future waypoints' must be {FUTURE_STEPS} points at 4 Hz, got {len(future)}")
+    response, derived = _answer(answer, future)
+    trajectories, scores = raters if raters is not None else (np.zeros((0, FUTURE_STEPS, 2)), np.zeros(0))
+    sample = DrivingSample(
+        sample_id=str(record["sample_id"]),
+        scenario=SOURCE,
+        episode_seed=0,
+        time_s=float(record.get("timestamp_micros", 0)) / 1e6,
+        image=_image(record["image"], root, max_pixels),
+        history=_history(record, prompt),
+        command=_COMMANDS[command],
+        future=future,
+        future_time_s=_FUTURE_TIME_S,
+        response=response,
+        view=_NO_VIEW,
+        rater_trajectories=trajectories,
+        rater_scores=scores,
+    )
+    return sample, derived
+
+
+def _outcome(path: Path, index: int, record: Any, split: str, root: Path, max_pixels: int) -> RecordOutcome:
+    record_id = str(record.get("sample_id") or f"#{index}") if isinstance(record, dict) else f"#{index}"
+    try:
+        if not isinstance(record, dict):
+            raise RecordError(f"a record must be a JSON object, got {type(record).__name__}")
+        sample, derived = _sample(record, split, root, max_pixels)
+    except KeyError as err:
+        return RecordOutcome(path, record_id, split, error=f"missing field {err}")
+    except (ValueError, TypeError, OSError) as err:  # a malformed record is reported, the others go on
+        return RecordOutcome(path, record_id, split, error=f"{type(err).__name__}: {err}")
+    return RecordOutcome(path, record_id, split, sample, answer_derived=derived, unrated=sample is None)
+
+
+def _outcomes(files: list[Path], root: Path, max_pixels: int) -> Iterator[RecordOutcome]:
+    for path in files:
+        split = split_of(path)
+        if split is None:
+            yield RecordOutcome(path, "", "", error="its name tells no split: name it training, validation or test")
+            continue
+        try:
+            records = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            yield RecordOutcome(path, "", split, error=f"not readable as JSON: {err}")
+            continue
+        if not isinstance(records, list):
+            kind = type(records).__name__
+            yield RecordOutcome(path, "", split, error=f"must hold a JSON list of records, not a JSON {kind}")
+            continue
+        for index, record in enumerate(records):
+            yield _outcome(path, index, record, split, root, max_pixels)
+
+
+def read_wod_e2e(
+    src: str | Path, image_root: str | Path | None = None, max_pixels: int = RELEASE_MAX_PIXELS
+) -> Iterator[RecordOutcome]:
+    """Every record of the release JSON files in `src` (images relative to `image_root`, default `src`), lazily.
+
+    Raises FileNotFoundError at once when `src` holds no JSON file; everything after is reported per record.
+    """
+    src = Path(src)
+    files = sorted(src.glob("*.json")) if src.is_dir() else []
+    if not files:
+        raise FileNotFoundError(f"{src} holds no release JSON files (training.json, validation.json, test.json)")
+    return _outcomes(files, Path(image_root) if image_root is not None else src, max_pixels)
+
+
+def _check_output(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise OutputExists(f"{out} exists and is not a directory")
+    if not overwrite and out.is_dir() and any(out.iterdir()):
+        raise OutputExists(f"{out} is not empty; pass --overwrite to replace it or choose another --out")
+
+
+def convert_wod_e2e(
+    src: str | Path,
+    out: str | Path,
+    image_root: str | Path | None = None,
+    max_pixels: int = RELEASE_MAX_PIXELS,
+    shard_size: int = SHARD_SIZE,
+    overwrite: bool = False,
+    on_item: Callable[[], None] | None = None,
+) -> ConversionReport:
+    """Convert the release files in `src` into a dataset in `out`; `on_item()` is called once per record.
+
+    Shards are `<split>/<file>-<k>.parquet`; the manifest is marked complete only when no record failed.
+    """
+    start = time.perf_counter()
+    src, out = Path(src), Path(out)
+    root = Path(image_root) if image_root is not None else src
+    outcomes = read_wod_e2e(src, root, max_pixels)
+    _check_output(out, overwrite)
+    settings = {
+        "source": SOURCE,
+        "src": str(src.resolve()),
+        "image_root": str(root.resolve()),
+        "max_pixels": max_pixels,
+    }
+    _prepare_output(out, settings, overwrite=True)  # clears an earlier dataset; refuses any other folder
+    out.mkdir(parents=True, exist_ok=True)
+    _write_manifest(out, settings, complete=False, counts={})
+
+    pending: dict[tuple[str, str], list[DrivingSample]] = {}
+    written: dict[tuple[str, str], int] = {}
+
+    def flush(key: tuple[str, str]) -> None:
+        split, stem = key
+        write_shard(out / split / f"{stem}-{written.get(key, 0):05d}.parquet", pending.pop(key))
+        written[key] = written.get(key, 0) + 1
+
+    samples, unrated = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0)
+    derived, failures = 0, []
+    for outcome in outcomes:
+        if outcome.sample is not None:
+            key = (outcome.split, re.sub(r"[^\w.-]", "_", outcome.file.stem))
+            pending.setdefault(key, []).append(outcome.sample)
+            samples[outcome.split] += 1
+            derived += outcome.answer_derived
+            if len(pending[key]) >= shard_size:
+                flush(key)
+        elif outcome.unrated:
+            unrated[outcome.split] += 1
+        else:
+            failures.append(outcome)
+        if on_item:
+            on_item()
+    for key in list(pending):
+        flush(key)
+    counts = {"samples": samples, "unrated_dropped": unrated, "answers_derived": derived, "failed": len(failures)}
+    _write_manifest(out, settings, complete=not failures, counts=counts)
+    return ConversionReport(samples, unrated, derived, failures, time.perf_counter() - start)
+
+
+def _encode(image: np.ndarray, image_format: Literal["jpeg", "png"]) -> bytes:
+    if image_format == "png":
+        return encode_png(image)
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="JPEG", quality=JPEG_QUALITY, subsampling=0)
+    return buffer.getvalue()
+
+
+def release_record(
+    sample: DrivingSample, out: Path, split: str, image_format: Literal["jpeg", "png"] = "jpeg"
+) -> dict[str, Any]:
+    """One sample as a release record; its camera images are written under `out`."""
+    suffix = ".jpg" if image_format == "jpeg" else ".png"
+    paths = []
+    for camera, image in zip(CAMERAS, split_cameras(sample.image), strict=True):
+        relative = f"images/{RELEASE_SPLITS[split]}/{sample.sample_id}_{camera}{suffix}"
+        (out / relative).parent.mkdir(parents=True, exist_ok=True)
+        (out / relative).write_bytes(_encode(image, image_format))
+        paths.append(relative)
+    history = sample.history
+    return {
+        "sample_id": sample.sample_id,
+        "image": paths,
+        "navigation_command": INTENTS[sample.command],
+        "conversations": [
+            {"from": "human", "value": prompt_text(sample.command, history)},
+            {"from": "gpt", "value": render(sample.response)},
+        ],
+        "future waypoints": sample.future.tolist(),
+        "gt_5waypoints_1s": sample.future[_WAYPOINT_ROWS].tolist(),
+        "rated": len(sample.rater_scores) > 0,
+        "timestamp_micros": round(sample.time_s * 1e6),
+        "history waypoints": history[:, 0:2].tolist(),
+        "velocity": history[:, 2:4].tolist(),
+        "acceleration": history[:, 4:6].tolist(),
+        "preference_trajectories": [
+            {"pos_x": future[:, 0].tolist(), "pos_y": future[:, 1].tolist(), "preference_score": float(score)}
+            for future, score in zip(sample.rater_trajectories, sample.rater_scores, strict=True)
+        ],
+    }
+
+
+def export_wod_e2e(
+    data: str | Path,
+    out: str | Path,
+    split: str | None = None,
+    image_format: Literal["jpeg", "png"] = "jpeg",
+    overwrite: bool = False,
+    on_item: Callable[[], None] | None = None,
+) -> ExportReport:
+    """Write a dataset's samples (one split, or all) in the release format; `on_item()` is called per sample.
+
+    `out` gets `training.json`, `validation.json` and `test.json` (those with samples), each written
+    atomically, and the camera images under `images/`.
+    """
+    start = time.perf_counter()
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
+    if image_format not in ("jpeg", "png"):
+        raise ValueError(f"image_format must be jpeg or png, got {image_format!r}")
+    dataset = DrivingDataset.open(data)
+    out = Path(out)
+    _check_output(out, overwrite)
+    counts = {}
+    for name in SPLITS if split is None else (split,):
+        records = []
+        for sample in dataset.samples(name):
+            records.append(release_record(sample, out, name, image_format))
+            if on_item:
+                on_item()
+        if records:
+            path = out / f"{RELEASE_SPLITS[name]}.json"
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            tmp.write_text(json.dumps(records, ensure_ascii=False), encoding="utf-8")
+            os.replace(tmp, path)
+            counts[RELEASE_SPLITS[name]] = len(records)
+    return ExportReport(counts, time.perf_counter() - start)
