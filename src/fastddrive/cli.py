@@ -611,31 +611,46 @@ def eval_command(
                     options,
                     on_sample=lambda task=task: progress.update(task, advance=1),
                 )
-    table = Table(title=f"{model} on {data} [{split}], {n} samples")
-    columns = ("decoder", "ADE@3s", "ADE@5s", "RFS (sim. raters)", "L2 avg ST-P3", "L2 avg UniAD")
-    for column in (*columns, "coll. avg ST-P3", "CO-F1", "lon acc", "lat acc", "valid"):
+    table = Table(
+        title=f"{model} on {data} [{split}], {n} samples; official conventions (an invalid answer is a zero "
+        "trajectory; rated frames only where there are raters; collisions rasterised as ST-P3/VAD), "
+        "'parsed': over the answers that parse"
+    )
+    columns = ("decoder", "scored", "ADE@3s", "ADE@5s", "ADE@5s parsed", "RFS", "RFS parsed")
+    columns += ("L2 avg ST-P3", "L2 avg UniAD", "coll. avg ST-P3 (raster)", "coll. avg ST-P3 (box)")
+    for column in (*columns, "CO-F1", "lon acc", "lat acc", "invalid", "valid"):
         table.add_column(column, justify="left" if column == "decoder" else "right")
     first = next(iter(reports.values()))
-    table.add_row("constant velocity", f"{first.cv_ade3_m:.3f}", f"{first.cv_ade5_m:.3f}", *[""] * 8)
+    cv = ("constant velocity", str(first.scored), f"{first.cv_ade3_m:.3f}", f"{first.cv_ade5_m:.3f}")
+    table.add_row(*cv, *[""] * (len(columns) + 5 - len(cv)))
+
+    def percent(collision: dict | None) -> str:
+        return f"{collision['stp3']['avg']:.2%}" if collision else ""
+
     for spec, r in reports.items():
         table.add_row(
             spec,
+            str(r.scored),
             f"{r.ade3_m:.3f}",
             f"{r.ade5_m:.3f}",
+            "" if r.ade5_parsed_m is None else f"{r.ade5_parsed_m:.3f}",
             "" if r.rfs is None else f"{r.rfs:.2f}",
+            "" if r.rfs_parsed is None else f"{r.rfs_parsed:.2f}",
             f"{r.l2_m['stp3']['avg']:.3f}" if r.l2_m else "",
             f"{r.l2_m['uniad']['avg']:.3f}" if r.l2_m else "",
-            f"{r.collision['stp3']['avg']:.2%}" if r.collision else "",
+            percent(r.collision),
+            percent(r.collision_box),
             f"{r.critical_object_f1:.3f}",
             f"{r.longitudinal_accuracy:.3f}",
             f"{r.lateral_accuracy:.3f}",
+            str(r.invalid),
             f"{r.validity:.1%}",
         )
     console.print(table)
     for spec, r in reports.items():
         for failure in r.failures:
             Console(stderr=True).print(f"[bold red]{spec} failed on[/] {failure}", highlight=False)
-    scenarios = Table(title="ADE@5s per scenario (m)")
+    scenarios = Table(title="ADE@5s per scenario (m), official: invalid answers as zero trajectories, scored frames")
     for column in ("scenario", "samples", *reports, "constant velocity"):
         scenarios.add_column(column, justify="left" if column == "scenario" else "right")
     per_scenario = {spec: r.by_scenario() for spec, r in reports.items()}

@@ -1,9 +1,12 @@
 """Accuracy of a model's answers on a dataset split, through any decoder, next to constant velocity.
 
-DESIGN section 7. Per sample: ADE@3s/5s of the JMT-upsampled waypoints against the logged 4 Hz future,
-RFS against the simulated raters where the sample has them, nuScenes-convention L2 and collision rate on
-the plan resampled at 2 Hz (t = 0.5..3 s), meta-behaviour and critical objects against the labels. A
-sample whose decoding raises is reported in `failures` and the others complete.
+DESIGN section 7, in the official conventions, which `AccuracyReport.conventions` spells out per figure. As the
+official Fast-dDrive / dVLM-AD WOD-E2E evaluator (NVlabs/Fast-dLLM `fast_ddrive/eval/evaluate_waymo_metrics.py`)
+does: waypoints JMT-upsampled to 4 Hz as it does (`eval/jmt.py`), an answer that does not parse scored as the
+zero trajectory and counted, and ADE / RFS over the rated frames only where the split has raters (its ground
+truth keeps only frames with rater scores). nuScenes L2 and collisions on the plan resampled at 2 Hz
+(t = 0.5..3 s), collisions the ST-P3 / VAD raster way and with the exact rotated-box test. A sample whose
+decoding raises is reported in `failures`, left out of every figure, and the others complete.
 """
 
 from __future__ import annotations
@@ -14,18 +17,18 @@ from typing import Any
 
 import numpy as np
 
-from fastddrive.data.sample import DrivingSample
+from fastddrive.data.sample import FUTURE_STEPS, DrivingSample
 from fastddrive.decode.registry import DecoderError, decode
 from fastddrive.eval.jmt import jmt_upsample
 from fastddrive.eval.metrics import (
     STEPS_3S,
     ade_m,
-    collision_at_steps,
     collision_rate,
     constant_velocity_m,
     critical_object_f1,
     meta_accuracy,
     nuscenes_l2_m,
+    plan_collisions,
     rater_feedback_score,
 )
 from fastddrive.model import BlockDiffusionModel
@@ -36,30 +39,53 @@ from fastddrive.schema import DrivingResponse
 TWO_HZ = slice(1, 12, 2)  # t = 0.5, 1.0, ..., 3.0 s of a 4 Hz path starting at 0.25 s
 AGENTS_TWO_HZ = slice(2, 13, 2)  # the same times of the agents' paths, which start at t = 0
 
+_OFFICIAL = "official: over the scored frames, an answer that does not parse as the zero trajectory"
+CONVENTIONS: dict[str, str] = {
+    "scored": "frames in the official figures: those with rater scores where the split has any, else all",
+    "invalid": "answers that do not parse, over all samples (the official evaluator's zero-fallback count)",
+    "ade3_m": f"ADE@3s, {_OFFICIAL} (Fast-dDrive WOD-E2E evaluator)",
+    "ade5_m": f"ADE@5s, {_OFFICIAL} (Fast-dDrive WOD-E2E evaluator)",
+    "ade3_parsed_m": "ADE@3s over the scored frames whose answer parses",
+    "ade5_parsed_m": "ADE@5s over the scored frames whose answer parses",
+    "cv_ade3_m": "ADE@3s of constant velocity over the scored frames",
+    "cv_ade5_m": "ADE@5s of constant velocity over the scored frames",
+    "rfs": f"WOD-E2E rater feedback score, {_OFFICIAL}; None without raters",
+    "rfs_parsed": "rater feedback score over the scored frames whose answer parses",
+    "l2_m": f"nuScenes L2 at 2 Hz, 'stp3' (ST-P3, VAD) and 'uniad' (UniAD) keys, {_OFFICIAL}",
+    "collision": f"nuScenes obj_box_col, ST-P3 / VAD raster (metrics.plan_collisions) with the sample's ego size, "
+    f"'stp3', 'uniad' and 'any' keys (metrics.collision_rate), {_OFFICIAL}",
+    "collision_box": "as collision, with the exact rotated-box overlap test instead of the raster",
+    "longitudinal_accuracy": "over every answer that parses",
+    "lateral_accuracy": "over every answer that parses",
+    "critical_object_f1": "micro F1 over every answer that parses",
+}
+
 
 @dataclass
 class AccuracyReport:
-    """Means over the samples with a valid answer (metres); `invalid` answers did not parse.
-
-    `rfs` is the mean over valid answers of samples with simulated raters (None if none has raters);
-    `l2_m` and `collision` follow `nuscenes_l2_m` / `collision_rate` ("stp3" and "uniad" conventions).
-    """
+    """Figures of one decoder on a split (metres); what each figure is over: `conventions` (CONVENTIONS)."""
 
     decoder: str
     samples: int
     invalid: int
+    scored: int
     ade3_m: float
     ade5_m: float
+    ade3_parsed_m: float
+    ade5_parsed_m: float
     cv_ade3_m: float
     cv_ade5_m: float
     longitudinal_accuracy: float
     lateral_accuracy: float
     critical_object_f1: float
     rfs: float | None = None
+    rfs_parsed: float | None = None
     l2_m: dict[str, dict[str, float]] = field(default_factory=dict)
     collision: dict[str, dict[str, float]] = field(default_factory=dict)
+    collision_box: dict[str, dict[str, float]] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     per_sample: list[dict[str, object]] = field(default_factory=list)
+    conventions: dict[str, str] = field(default_factory=lambda: dict(CONVENTIONS))
 
     @property
     def validity(self) -> float:
@@ -67,10 +93,10 @@ class AccuracyReport:
         return 1.0 - (self.invalid + len(self.failures)) / self.samples if self.samples else float("nan")
 
     def by_scenario(self) -> dict[str, dict[str, float]]:
-        """Mean ADE@5s of the model and of constant velocity per scenario (valid answers only)."""
+        """Official ADE@5s of the model and of constant velocity per scenario, over the scored frames."""
         out: dict[str, dict[str, float]] = {}
         for name in sorted({str(r["scenario"]) for r in self.per_sample}):
-            rows = [r for r in self.per_sample if r["scenario"] == name and r["ade5_m"] is not None]
+            rows = [r for r in self.per_sample if r["scenario"] == name and r["scored"]]
             out[name] = {
                 "samples": len(rows),
                 "ade5_m": float(np.mean([r["ade5_m"] for r in rows])) if rows else float("nan"),
@@ -91,12 +117,32 @@ def greedy_ar_response(
     return result.response, result.token_ids
 
 
-def _plan_collisions(dense_m: np.ndarray, sample: DrivingSample) -> np.ndarray:
-    """Per 2 Hz step (t = 0.5..3 s), does the ego box on the plan overlap another vehicle's box?"""
+def _plan_collisions(dense_m: np.ndarray, sample: DrivingSample, method: str) -> np.ndarray:
+    """Per 2 Hz step (t = 0.5..3 s), does the ego box on the plan hit another vehicle (official counting)?"""
     agents = sample.agents[:, AGENTS_TWO_HZ]
     sizes = np.broadcast_to(sample.agent_size[:, None, :], (*agents.shape[:2], 2))
+    boxes = np.concatenate([agents, sizes], axis=-1)
     length, width = sample.ego_size
-    return collision_at_steps(dense_m[TWO_HZ], np.concatenate([agents, sizes], axis=-1), length, width)
+    return plan_collisions(dense_m[TWO_HZ], sample.future[TWO_HZ], boxes, length, width, method=method)
+
+
+def _score(dense_m: np.ndarray, sample: DrivingSample) -> dict[str, Any]:
+    """Every per-sample figure of one 4 Hz (20, 2) plan."""
+    scores: dict[str, Any] = {
+        "ade3_m": ade_m(dense_m, sample.future, STEPS_3S),
+        "ade5_m": ade_m(dense_m, sample.future),
+        "l2": nuscenes_l2_m(dense_m[TWO_HZ], sample.future[TWO_HZ]),
+        "collision": _plan_collisions(dense_m, sample, "raster"),
+        "collision_box": _plan_collisions(dense_m, sample, "box"),
+    }
+    if len(sample.rater_scores):
+        speed = float(np.linalg.norm(sample.history[-1, 2:4]))
+        scores["rfs"] = rater_feedback_score(dense_m, sample.rater_trajectories, sample.rater_scores, speed)
+    return scores
+
+
+def _mean(values: list[float]) -> float:
+    return float(np.mean(values)) if values else float("nan")
 
 
 def evaluate(
@@ -106,17 +152,19 @@ def evaluate(
     options: dict[str, Any] | None = None,
     on_sample: Callable[[], None] | None = None,
 ) -> AccuracyReport:
-    """Answer every sample with `decoder` and score the answers."""
+    """Answer every sample with `decoder` and score the answers in the official conventions (module doc)."""
     planner = Planner(model)
     predicted: list[DrivingResponse] = []
     truth: list[DrivingResponse] = []
-    ades, cv, rfs, l2, collisions, failures, rows, invalid, count = [], [], [], [], [], [], [], 0, 0
+    failures: list[str] = []
+    rows: list[dict[str, object]] = []
+    scores: list[dict[str, Any]] = []  # per sample that decoded, aligned with `decoded`
+    decoded: list[dict[str, object]] = []
     for sample in samples:
-        count += 1
         constant = constant_velocity_m(sample.history)
-        cv.append((ade_m(constant, sample.future, STEPS_3S), ade_m(constant, sample.future)))
-        row: dict[str, object] = {"sample_id": sample.sample_id, "scenario": sample.scenario, "ade3_m": None}
-        row |= {"ade5_m": None, "cv_ade3_m": cv[-1][0], "cv_ade5_m": cv[-1][1]}
+        row: dict[str, object] = {"sample_id": sample.sample_id, "scenario": sample.scenario, "valid": None}
+        row |= {"rated": bool(len(sample.rater_scores)), "scored": False, "ade3_m": None, "ade5_m": None}
+        row |= {"cv_ade3_m": ade_m(constant, sample.future, STEPS_3S), "cv_ade5_m": ade_m(constant, sample.future)}
         rows.append(row)
         try:
             response = planner.plan(sample, decoder, **(options or {})).response
@@ -129,37 +177,39 @@ def evaluate(
         finally:
             if on_sample:
                 on_sample()
-        if response is None:
-            invalid += 1
-            continue
-        predicted.append(response)
-        truth.append(sample.response)
-        dense = jmt_upsample(np.asarray(response.trajectory))
-        ades.append((ade_m(dense, sample.future, STEPS_3S), ade_m(dense, sample.future)))
-        row["ade3_m"], row["ade5_m"] = ades[-1]
-        l2.append(nuscenes_l2_m(dense[TWO_HZ], sample.future[TWO_HZ]))
-        collisions.append(_plan_collisions(dense, sample))
-        if len(sample.rater_scores):
-            speed = float(np.linalg.norm(sample.history[-1, 2:4]))
-            rfs.append(rater_feedback_score(dense, sample.rater_trajectories, sample.rater_scores, speed))
-            row["rfs"] = rfs[-1]
-    ade3, ade5 = np.mean(ades, axis=0) if ades else (float("nan"), float("nan"))
-    cv3, cv5 = np.mean(cv, axis=0) if cv else (float("nan"), float("nan"))
+        row["valid"] = response is not None
+        if response is not None:
+            predicted.append(response)
+            truth.append(sample.response)
+        dense = jmt_upsample(np.asarray(response.trajectory)) if response else np.zeros((FUTURE_STEPS, 2))
+        scores.append(_score(dense, sample))
+        decoded.append(row)
+        row |= {k: v for k, v in scores[-1].items() if k in ("ade3_m", "ade5_m", "rfs")}
+    any_rated = any(r["rated"] for r in rows)
+    scored = [(r, s) for r, s in zip(decoded, scores, strict=True) if r["rated"] or not any_rated]
+    parsed = [(r, s) for r, s in scored if r["valid"]]
+    for r, _ in scored:
+        r["scored"] = True
     lon, lat = meta_accuracy(predicted, truth) if predicted else (float("nan"), float("nan"))
     return AccuracyReport(
         decoder=decoder,
-        samples=count,
-        invalid=invalid,
-        ade3_m=float(ade3),
-        ade5_m=float(ade5),
-        cv_ade3_m=float(cv3),
-        cv_ade5_m=float(cv5),
+        samples=len(rows),
+        invalid=sum(r["valid"] is False for r in rows),
+        scored=len(scored),
+        ade3_m=_mean([s["ade3_m"] for _, s in scored]),
+        ade5_m=_mean([s["ade5_m"] for _, s in scored]),
+        ade3_parsed_m=_mean([s["ade3_m"] for _, s in parsed]),
+        ade5_parsed_m=_mean([s["ade5_m"] for _, s in parsed]),
+        cv_ade3_m=_mean([float(r["cv_ade3_m"]) for r, _ in scored]),
+        cv_ade5_m=_mean([float(r["cv_ade5_m"]) for r, _ in scored]),
         longitudinal_accuracy=lon,
         lateral_accuracy=lat,
         critical_object_f1=critical_object_f1(predicted, truth) if predicted else float("nan"),
-        rfs=float(np.mean(rfs)) if rfs else None,
-        l2_m=_mean_nested(l2),
-        collision=collision_rate(np.array(collisions)) if collisions else {},
+        rfs=_mean([s["rfs"] for _, s in scored]) if any_rated and scored else None,
+        rfs_parsed=_mean([s["rfs"] for _, s in parsed]) if any_rated and parsed else None,
+        l2_m=_mean_nested([s["l2"] for _, s in scored]),
+        collision=collision_rate(np.array([s["collision"] for _, s in scored])) if scored else {},
+        collision_box=collision_rate(np.array([s["collision_box"] for _, s in scored])) if scored else {},
         failures=failures,
         per_sample=rows,
     )

@@ -37,6 +37,11 @@ NUSCENES_HORIZONS_S = (1.0, 2.0, 3.0)
 NUSCENES_STEPS = int(round(NUSCENES_HORIZONS_S[-1] / NUSCENES_INTERVAL_S))
 NUSCENES_EGO_LENGTH_M = 4.084
 NUSCENES_EGO_WIDTH_M = 1.85
+# Raster collision of ST-P3 / VAD / UniAD: 200 x 200 cells of 0.5 m over +-50 m around the ego.
+BEV_CELLS = 200
+BEV_CELL_M = 0.5
+BEV_START_M = -50.0 + BEV_CELL_M / 2  # centre of the first cell (their `bx`)
+EGO_BOX_SHIFT_M = 0.5  # their ego box is centred this far ahead of the waypoint
 
 
 def ade_m(predicted_m: np.ndarray, truth_m: np.ndarray, steps: int | None = None) -> float:
@@ -151,18 +156,27 @@ def _by_horizon(per_step: np.ndarray, window: Callable[[np.ndarray], np.ndarray]
     return out
 
 
-def nuscenes_l2_m(predicted_m: np.ndarray, truth_m: np.ndarray) -> dict[str, dict[str, float]]:
+def nuscenes_l2_m(
+    predicted_m: np.ndarray, truth_m: np.ndarray, valid_steps: np.ndarray | None = None
+) -> dict[str, dict[str, float]]:
     """nuScenes open-loop L2 in metres of a (6, 2) plan at 2 Hz (t = 0.5..3 s) against the logged (6, 2) future.
 
-    Both conventions of the literature (DESIGN 7), keys "1s", "2s", "3s" and "avg" (their mean):
+    Per step, UniAD's `PlanningMetric.compute_L2` (OpenDriveLab/UniAD `planning_head_plugin/planning_metrics.py`):
+    sqrt(sum(((plan - truth) ** 2) * mask)), so a step whose logged future is missing (`valid_steps` False, UniAD's
+    `sdc_planning_mask`) counts as 0 m and the sample still counts in the mean over samples. Keys "1s", "2s", "3s"
+    and "avg" (their mean) in the two conventions of the literature (DESIGN 7):
     "stp3" (ST-P3, VAD): the mean of the per-step L2 over every step up to the horizon;
     "uniad" (UniAD): the L2 at the horizon's step alone.
+    VAD (`VAD.py`) instead leaves out a sample whose 6 future steps are not all logged (`fut_valid_flag`).
     """
     predicted = np.asarray(predicted_m, dtype=float)
     truth = np.asarray(truth_m, dtype=float)
     if predicted.shape != (NUSCENES_STEPS, 2) or truth.shape != (NUSCENES_STEPS, 2):
         raise ValueError(f"nuScenes plans are ({NUSCENES_STEPS}, 2) at 2 Hz, got {predicted.shape} and {truth.shape}")
-    per_step = np.linalg.norm(predicted - truth, axis=-1)[None, :]
+    mask = np.ones(NUSCENES_STEPS) if valid_steps is None else np.asarray(valid_steps, dtype=float)
+    if mask.shape != (NUSCENES_STEPS,):
+        raise ValueError(f"valid_steps must be ({NUSCENES_STEPS},), got {mask.shape}")
+    per_step = np.sqrt((((predicted - truth) ** 2) * mask[:, None]).sum(axis=-1))[None, :]
     return {
         "stp3": _by_horizon(per_step, lambda w: w.mean(axis=1)),
         "uniad": _by_horizon(per_step, lambda w: w[:, -1]),
@@ -200,7 +214,8 @@ def collision_at_steps(
     its own displacement into the step (from the origin at the first step), carried on while it stands still
     (+x before it moves). The ego default is the nuScenes box, 4.084 x 1.85 m (DESIGN 7), centred on the
     waypoint (no rear-axle offset). Overlap is tested exactly with the separating axis theorem on the four
-    box axes; boxes that only touch, with no common area, do not collide.
+    box axes; boxes that only touch, with no common area, do not collide. The official counting is the raster
+    one, `raster_collision_at_steps`; `plan_collisions` offers both.
     """
     ego = np.asarray(ego_trajectory_m, dtype=float)
     agents = np.asarray(agent_boxes, dtype=float)
@@ -225,6 +240,190 @@ def collision_at_steps(
     return (~separated.any(axis=-1) & present).any(axis=0)
 
 
+def _trunc_div(a: int, b: int) -> int:
+    """C integer division, rounding toward zero (OpenCV's int64 arithmetic)."""
+    q = abs(a) // abs(b)
+    return q if (a >= 0) == (b >= 0) else -q
+
+
+def _clip_line(p1: tuple[int, int], p2: tuple[int, int], size: int) -> tuple[tuple[int, int], tuple[int, int], bool]:
+    """OpenCV `clipLine` (imgproc/src/drawing.cpp) for a size x size image: the clipped ends, and whether
+    the segment is inside."""
+    (x1, y1), (x2, y2), last = p1, p2, size - 1
+    c1 = (x1 < 0) + (x1 > last) * 2 + (y1 < 0) * 4 + (y1 > last) * 8
+    c2 = (x2 < 0) + (x2 > last) * 2 + (y2 < 0) * 4 + (y2 > last) * 8
+    if (c1 & c2) == 0 and (c1 | c2) != 0:
+        if c1 & 12:
+            a = 0 if c1 < 8 else last
+            x1 += _trunc_div((a - y1) * (x2 - x1), y2 - y1)
+            y1, c1 = a, (x1 < 0) + (x1 > last) * 2
+        if c2 & 12:
+            a = 0 if c2 < 8 else last
+            x2 += _trunc_div((a - y2) * (x2 - x1), y2 - y1)
+            y2, c2 = a, (x2 < 0) + (x2 > last) * 2
+        if (c1 & c2) == 0 and (c1 | c2) != 0:
+            if c1:
+                a = 0 if c1 == 1 else last
+                y1 += _trunc_div((a - x1) * (y2 - y1), x2 - x1)
+                x1, c1 = a, 0
+            if c2:
+                a = 0 if c2 == 1 else last
+                y2 += _trunc_div((a - x2) * (y2 - y1), x2 - x1)
+                x2, c2 = a, 0
+    return (x1, y1), (x2, y2), (c1 | c2) == 0
+
+
+def _draw_line(grid: np.ndarray, p1: tuple[int, int], p2: tuple[int, int]) -> None:
+    """OpenCV's 8-connected `Line` (a left-to-right `LineIterator`) from (x, y) = (column, row) p1 to p2."""
+    size = len(grid)
+    if not all(0 <= v < size for v in (*p1, *p2)):
+        p1, p2, inside = _clip_line(p1, p2, size)
+        if not inside:
+            return
+    if p2[0] < p1[0]:
+        p1, p2 = p2, p1
+    (x, y), dx, dy = p1, p2[0] - p1[0], p2[1] - p1[1]
+    y_step = -1 if dy < 0 else 1
+    steep = abs(dy) > dx
+    major, minor = (abs(dy), dx) if steep else (dx, abs(dy))
+    err = major - 2 * minor
+    for _ in range(major + 1):
+        grid[y, x] = True
+        if err < 0:
+            err += 2 * major - 2 * minor
+            x, y = x + 1, y + y_step
+        else:
+            err -= 2 * minor
+            x, y = (x, y + y_step) if steep else (x + 1, y)
+
+
+def _fill_polygon(grid: np.ndarray, vertices: np.ndarray) -> None:
+    """`cv2.fillPoly(grid, [vertices], 1)` for integer (x, y) = (column, row) vertices, 8-connected, no shift.
+
+    Ported from OpenCV `CollectPolyEdges` and `FillEdgeCollection` (imgproc/src/drawing.cpp): each edge is drawn
+    as a line, then every row between its lowest and highest vertex is filled between pairs of edges, whose x is
+    kept in 16-bit fixed point (left end rounded up, right end down)."""
+    size, one = len(grid), 1 << 16
+    edges = []  # (y0, y1, x at y0 in fixed point, dx per row)
+    pt0 = tuple(int(v) for v in vertices[-1])
+    for vertex in vertices:
+        pt1 = tuple(int(v) for v in vertex)
+        _draw_line(grid, pt0, pt1)
+        (x0c, y0c), (x1c, y1c) = pt0, pt1
+        if not all(0 <= v < size for v in (*pt0, *pt1)):
+            (x0c, t0y), (x1c, t1y), _ = _clip_line(pt0, pt1, size)
+            if t0y != t1y:
+                y0c, y1c = t0y, t1y
+        if pt0[1] != pt1[1]:
+            dx = _trunc_div((x1c - x0c) * one, y1c - y0c)
+            if pt0[1] < pt1[1]:
+                edges.append((pt0[1], pt1[1], x0c * one + (pt0[1] - y0c) * dx, dx))
+            else:
+                edges.append((pt1[1], pt0[1], x1c * one + (pt1[1] - y1c) * dx, dx))
+        pt0 = pt1
+    if len(edges) < 2:
+        return
+    ends = [x + (y1 - y0) * dx for y0, y1, x, dx in edges] + [x for _, _, x, _ in edges]
+    y_min, y_max = min(e[0] for e in edges), max(e[1] for e in edges)
+    if y_max < 0 or y_min >= size or max(ends) < 0 or min(ends) >= size * one:
+        return
+    for y in range(max(y_min, 0), min(y_max, size)):
+        xs = sorted(x + (y - y0) * dx for y0, y1, x, dx in edges if y0 <= y < y1)
+        for left, right in zip(xs[0::2], xs[1::2], strict=True):
+            x1, x2 = (left + one - 1) >> 16, right >> 16
+            if x1 < size and x2 >= 0:
+                grid[y, max(x1, 0) : min(x2, size - 1) + 1] = True
+
+
+def _lidar_frame(x_m: np.ndarray, y_m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Our ego frame (+x forward, +y left) to the nuScenes LiDAR frame of ST-P3 / VAD (+x right, +y forward)."""
+    return -np.asarray(y_m), np.asarray(x_m)
+
+
+def bev_occupancy(agent_boxes: np.ndarray) -> np.ndarray:
+    """(T, 200, 200) bool occupancy of the agents' boxes per step, as VAD's `PlanningMetric` builds it for its
+    collision rate (hustvl/VAD `projects/mmdet3d_plugin/VAD/planner/metric_stp3.py`, `get_birds_eye_view_label`).
+
+    `agent_boxes` is (N, T, 5) x, y, heading, length, width in the ego frame (NaN: absent at that step). Row
+    round((50 - forward) / 0.5), column round((50 + right) / 0.5): each box's corners rounded to cells and filled as
+    `cv2.fillPoly` does. VAD fills vehicles and pedestrians (nuScenes `vehicle.*` and `human.*` but for animals)
+    and ORs them: pass those agents only.
+    """
+    agents = np.asarray(agent_boxes, dtype=float)
+    if agents.ndim != 3 or agents.shape[-1] != 5:
+        raise ValueError(f"agent boxes must be (N, T, 5) as x, y, heading, length, width, got {agents.shape}")
+    occupancy = np.zeros((agents.shape[1], BEV_CELLS, BEV_CELLS), dtype=bool)
+    local = np.array([[0.5, -0.5, -0.5, 0.5], [0.5, 0.5, -0.5, -0.5]])  # corners in box lengths and widths
+    for n, t in zip(*np.nonzero(~np.isnan(agents).any(axis=-1)), strict=True):
+        x, y, heading, length, width = agents[n, t]
+        x_l, y_l = _lidar_frame(x, y)
+        yaw = heading + np.pi / 2
+        rotation = np.array([[np.cos(yaw), -np.sin(yaw)], [np.sin(yaw), np.cos(yaw)]])
+        corners = rotation @ (local * np.array([[length], [width]])) + np.array([[x_l], [y_l]])
+        cells = np.stack([corners[0] - BEV_START_M, -corners[1] - BEV_START_M]) + BEV_CELL_M / 2
+        _fill_polygon(occupancy[t], np.round(cells.T / BEV_CELL_M).astype(np.int32))
+    return occupancy
+
+
+def _ego_footprint(length_m: float, width_m: float) -> tuple[np.ndarray, np.ndarray]:
+    """Cell offsets of the official ego box: `skimage.draw.polygon` of the box shifted 0.5 m forward, in cells
+    from the grid's first cell centre: every whole (along, across) in the closed box. Two (K,) arrays."""
+    along = (np.array([-length_m / 2, length_m / 2]) + EGO_BOX_SHIFT_M - BEV_START_M) / BEV_CELL_M
+    across = (np.array([-width_m / 2, width_m / 2]) - BEV_START_M) / BEV_CELL_M
+    rows = np.arange(np.ceil(along[0]), np.floor(along[1]) + 1)
+    cols = np.arange(np.ceil(across[0]), np.floor(across[1]) + 1)
+    r, c = np.meshgrid(rows, cols, indexing="ij")
+    return r.ravel(), c.ravel()
+
+
+def raster_collision_at_steps(
+    ego_trajectory_m: np.ndarray,
+    occupancy: np.ndarray,
+    ego_length_m: float = NUSCENES_EGO_LENGTH_M,
+    ego_width_m: float = NUSCENES_EGO_WIDTH_M,
+) -> np.ndarray:
+    """Whether the official ego box hits `bev_occupancy` at each step: (T,) bool.
+
+    VAD's `PlanningMetric.evaluate_single_coll` ("same as ST-P3"; ST-P3 `stp3/metrics.py` and UniAD
+    `planning_metrics.py` use the same box and grid on occupancy from their own pipelines): the box is axis-aligned
+    (no heading), ego_length x ego_width, its centre 0.5 m ahead of the waypoint, as 32 cells (along 97..104, across
+    98..101 for the nuScenes box), read at row int(200 - (forward / 0.5 + along)), column int(right / 0.5 + across),
+    truncated and clipped to the grid (so a box off the grid is read at its edge).
+    """
+    ego = np.asarray(ego_trajectory_m, dtype=float)
+    grid = np.asarray(occupancy, dtype=bool)
+    if ego.ndim != 2 or ego.shape[1] != 2 or grid.shape != (len(ego), BEV_CELLS, BEV_CELLS):
+        raise ValueError(f"need (T, 2) and (T, {BEV_CELLS}, {BEV_CELLS}) occupancy, got {ego.shape}, {grid.shape}")
+    along, across = _ego_footprint(ego_length_m, ego_width_m)
+    right, forward = _lidar_frame(ego[:, 0], ego[:, 1])
+    rows = np.clip((BEV_CELLS - (forward[:, None] / BEV_CELL_M + along)).astype(np.int32), 0, BEV_CELLS - 1)
+    cols = np.clip((right[:, None] / BEV_CELL_M + across).astype(np.int32), 0, BEV_CELLS - 1)
+    return grid[np.arange(len(ego))[:, None], rows, cols].any(axis=1)
+
+
+def plan_collisions(
+    plan_m: np.ndarray,
+    logged_m: np.ndarray,
+    agent_boxes: np.ndarray,
+    ego_length_m: float = NUSCENES_EGO_LENGTH_M,
+    ego_width_m: float = NUSCENES_EGO_WIDTH_M,
+    method: Literal["raster", "box"] = "raster",
+) -> np.ndarray:
+    """Per-step collisions of a (T, 2) plan as ST-P3 / VAD / UniAD count them (`obj_box_col`): (T,) bool.
+
+    A step where the logged (T, 2) future collides too is not counted. "raster" (the official way, default):
+    `raster_collision_at_steps` on `bev_occupancy`; "box": the exact rotated-box test `collision_at_steps`.
+    """
+    if method == "raster":
+        occupancy = bev_occupancy(agent_boxes)
+        hits = [raster_collision_at_steps(path, occupancy, ego_length_m, ego_width_m) for path in (plan_m, logged_m)]
+    elif method == "box":
+        hits = [collision_at_steps(path, agent_boxes, ego_length_m, ego_width_m) for path in (plan_m, logged_m)]
+    else:
+        raise ValueError(f"method must be 'raster' or 'box', got {method!r}")
+    return hits[0] & ~hits[1]
+
+
 def collision_rate(collisions: np.ndarray) -> dict[str, dict[str, float]]:
     """nuScenes collision rates (fractions, not %) of (S, 6) per-step collision flags at 2 Hz, or one (6,) plan.
 
@@ -232,8 +431,7 @@ def collision_rate(collisions: np.ndarray) -> dict[str, dict[str, float]]:
     "stp3" (ST-P3, VAD, as their evaluation code computes it): the fraction of steps up to the horizon that collide;
     "uniad" (UniAD): whether the horizon's step collides;
     "any": whether any step up to the horizon collides (a per-scene reading some later papers use).
-    ST-P3 and VAD also drop collisions at steps where the logged trajectory itself collides: mask those flags
-    before calling to reproduce that.
+    `plan_collisions` gives the flags as the official code counts them.
     """
     flags = np.atleast_2d(np.asarray(collisions, dtype=bool))
     if flags.ndim != 2 or flags.shape[1] != NUSCENES_STEPS:
