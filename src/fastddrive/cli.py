@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -44,6 +46,7 @@ def user_errors() -> Iterator[None]:
     from fastddrive.decode.planning_vocabulary import PlanningVocabularyError
     from fastddrive.decode.registry import DecoderError
     from fastddrive.eval.roofline import RooflineError
+    from fastddrive.model_files import DeviceError, ModelFileError
     from fastddrive.random_init import UnknownPreset
     from fastddrive.schema import ResponseError
     from fastddrive.tokenizer import MissingDiffusionTokens
@@ -65,11 +68,13 @@ def user_errors() -> Iterator[None]:
         PlanningVocabularyError,
         RooflineError,
         UnknownPreset,
+        ModelFileError,
+        DeviceError,
     )
     try:
         yield
     except (*known, FileNotFoundError, IndexError) as err:
-        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
 
 
@@ -84,6 +89,43 @@ def _progress() -> Progress:
         TimeRemainingColumn(),
         console=console,
     )
+
+
+def _check_outputs(*paths: Path | None) -> None:
+    """Refuse, before any work, an output file whose folder does not exist or that is a folder."""
+    from fastddrive.data.sample import DatasetError
+
+    for path in paths:
+        if path is None:
+            continue
+        if path.is_dir():
+            raise DatasetError(f"{path} is a folder; give a file name")
+        if not path.parent.is_dir():
+            raise DatasetError(f"cannot write {path}: the folder {path.parent} does not exist")
+
+
+def _check_demo_folder(out: Path) -> None:
+    from fastddrive.data.sample import DatasetError
+
+    if out.exists() and not out.is_dir():
+        raise DatasetError(f"--out {out} is a file; the demo writes a folder of pictures")
+    if not out.exists() and not out.parent.is_dir():
+        raise DatasetError(f"cannot write {out}: the folder {out.parent} does not exist")
+
+
+def _finite(value: object) -> object:
+    """NaN and infinities as null, so that the JSON written is JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _write_json(path: Path, payload: object) -> None:
+    path.write_text(json.dumps(_finite(payload), indent=2, allow_nan=False))
 
 
 @data_app.command("highway")
@@ -123,7 +165,17 @@ def data_highway(
             progress.update(task, advance=1, note=note)
 
         try:
-            report = build_dataset(out, episodes, seed, names, workers, overwrite, on_start, on_episode)
+            report = build_dataset(
+                out,
+                episodes,
+                seed,
+                names,
+                workers,
+                overwrite,
+                on_start,
+                on_episode,
+                on_problem=lambda problem: console.print(f"rebuilding {problem}", markup=False, highlight=False),
+            )
         except KeyboardInterrupt:
             progress.stop()
             console.print(f"interrupted: the episodes written so far are kept in {out}; rerun to resume")
@@ -136,6 +188,26 @@ def data_highway(
     )
     if report.failed:
         console.print(f"[red]{len(report.failed)} episode(s) failed; rerun the same command to retry them[/]")
+        raise typer.Exit(1)
+
+
+@data_app.command("verify")
+def data_verify(
+    path: Annotated[Path, typer.Argument(help="Dataset folder.")],
+    quick: Annotated[bool, typer.Option(help="Check presence and size only, not the checksums.")] = False,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON.")] = None,
+) -> None:
+    """Every shard of a data set against its manifest: ok, missing, damaged or unrecorded (exit 1 if any)."""
+    from fastddrive.data.verify import verify_dataset
+
+    with user_errors():
+        _check_outputs(json_out)
+        report = verify_dataset(path, checksums=not quick)
+    for line in report.lines():
+        console.print(line, markup=False, highlight=False)
+    if json_out is not None:
+        _write_json(json_out, report.to_dict())
+    if not report.ok:
         raise typer.Exit(1)
 
 
@@ -257,6 +329,7 @@ def data_show(
     from fastddrive.schema import render
 
     with user_errors():
+        _check_outputs(png)
         sample = DrivingDataset.open(path).sample(split, index)
     console.print(f"[bold]{sample.sample_id}[/]  scenario={sample.scenario}  t={sample.time_s:.2f} s", highlight=False)
     console.print(user_text(sample.command, sample.history), highlight=False)
@@ -301,6 +374,7 @@ def data_stats(
     from fastddrive.tokenizer import default_tokenizer_path, load_tokenizer
 
     with user_errors():
+        _check_outputs(json_out)
         dataset = DrivingDataset.open(path)
         scaffold = Scaffold(
             load_tokenizer(tokenizer or default_tokenizer_path()),
@@ -361,7 +435,7 @@ def data_stats(
                 for r in scaffold.table()
             ],
         }
-        json_out.write_text(json.dumps(figures, indent=2))
+        _write_json(json_out, figures)
         console.print(f"wrote {json_out}")
 
 
@@ -579,7 +653,7 @@ def eval_command(
     data: Annotated[Path, typer.Option(help="Dataset folder.")] = Path("runs/sim"),
     split: Annotated[str, typer.Option(help="train, val or test.")] = "test",
     decoders: Annotated[str, typer.Option(help="Comma-separated decoders, options as sd:tau=0.0.")] = "ar",
-    limit: Annotated[int | None, typer.Option(help="Evaluate only the first N samples.")] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="Evaluate only the first N samples.")] = None,
     device: Annotated[str, typer.Option(help="cpu, cuda, ...")] = "cpu",
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the figures as JSON.")] = None,
 ) -> None:
@@ -588,15 +662,18 @@ def eval_command(
     from itertools import islice
 
     import fastddrive
-    from fastddrive.data.sample import DrivingDataset
+    from fastddrive.data.sample import DatasetError, DrivingDataset
+    from fastddrive.decode.registry import parse_decoder_spec, split_decoders
     from fastddrive.eval.accuracy import evaluate
-    from fastddrive.eval.bench import parse_decoder_spec
 
     with user_errors():
-        specs = [d.strip() for d in decoders.split(",") if d.strip()]
+        _check_outputs(json_out)
+        specs = split_decoders(decoders)
         parsed = [parse_decoder_spec(spec) for spec in specs]
         dataset = DrivingDataset.open(data)
         total = len(dataset.table(split, columns=["sample_id"]))
+        if total == 0:
+            raise DatasetError(f"{data} has no {split} samples: nothing to evaluate")
         planner = fastddrive.load(model, device=device)
     n = min(total, limit) if limit else total
     reports = {}
@@ -664,7 +741,7 @@ def eval_command(
             for spec, r in reports.items()
         }
         json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps({"model": model, "split": split, "decoders": payload}, indent=2))
+        _write_json(json_out, {"model": model, "split": split, "decoders": payload})
         console.print(f"wrote {json_out}")
 
 
@@ -704,7 +781,7 @@ def plan_command(
     index: Annotated[int, typer.Option(help="Sample index in the split (with --data).")] = 0,
     image: Annotated[list[Path] | None, typer.Option(help="Camera image (PNG); repeat for several.")] = None,
     history: Annotated[
-        str | None, typer.Option(help="Ego history: JSON text or a .json file, 7 rows of [x, y, vx, vy, ax, ay].")
+        str | None, typer.Option(help="Ego history: JSON text or a .json file, 7 rows of \\[x, y, vx, vy, ax, ay].")
     ] = None,
     command: Annotated[str | None, typer.Option(help="go_straight, go_left or go_right.")] = None,
     decoder: Annotated[str, typer.Option(help="A registered decoder (ar, fullseq, mdm, sd, selfspec, ...).")] = "ss",
@@ -721,7 +798,7 @@ def plan_command(
     from fastddrive.decode.registry import parse_options
 
     with user_errors():
-        options = parse_options(option or [])
+        options = parse_options(option or [], decoder)
         if data is not None:
             if image or history or command:
                 raise SampleError("give either --data or --image/--history/--command, not both")
@@ -739,7 +816,9 @@ def plan_command(
             raise SampleError("this model reads images: give --image")
         result = planner.plan(scene, decoder, **options)
     if as_json:
-        print(json.dumps(result.to_json()))
+        print(json.dumps(_finite(result.to_json()), allow_nan=False))
+        if result.response is None:  # the JSON says why (its "error"); the status says it failed
+            raise typer.Exit(1)
         return
     table = Table(title=f"{decoder} on {model}")
     for column in ("NFE", "tokens", "tokens/NFE", "prefill ms", "decode ms", "tokens/s"):
@@ -773,7 +852,7 @@ def bench_command(
     decoders: Annotated[
         str, typer.Option(help="Comma-separated decoders, 'all', options as sd:tau=0.0:block_size=16.")
     ] = "all",
-    samples: Annotated[int, typer.Option(help="With --data: time this many of its scenes.")] = 50,
+    samples: Annotated[int, typer.Option(min=2, help="With --data: time this many of its scenes.")] = 50,
     baseline: Annotated[
         str | None, typer.Option(help="Also time this separately trained AR model writing JSON freely.")
     ] = None,
@@ -802,12 +881,13 @@ def bench_command(
     import torch
 
     import fastddrive
-    from fastddrive.decode.registry import DECODERS
-    from fastddrive.eval.bench import DecoderRun, parse_decoder_spec
+    from fastddrive.decode.registry import DECODERS, parse_decoder_spec, split_decoders
+    from fastddrive.eval.bench import DecoderRun
     from fastddrive.eval.plots import draw_frontier
 
     with user_errors():
-        specs = list(DECODERS) if decoders == "all" else [d.strip() for d in decoders.split(",") if d.strip()]
+        _check_outputs(json_out, png)
+        specs = list(DECODERS) if decoders == "all" else split_decoders(decoders)
         parsed = [parse_decoder_spec(spec) for spec in specs]
         from fastddrive.eval.roofline import parse_dtype
 
@@ -839,7 +919,7 @@ def bench_command(
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         payload = {"model": model, "device": device, "rows": [r.to_json() for r in rows]}
-        json_out.write_text(json.dumps(payload, indent=2))
+        _write_json(json_out, payload)
         console.print(f"wrote {json_out}")
     if png is not None:
         draw_frontier([r.to_json() for r in rows], png, title=f"{model}, {len(chosen) - 1} scenes, {device}")
@@ -940,6 +1020,7 @@ def roofline_command(
     from fastddrive.random_init import random_init_model
 
     with user_errors():
+        _check_outputs(json_out, png)
         if model is not None and random_init is not None:
             raise RooflineError("give --model or --random-init, not both")
         counts = parse_tokens(tokens) if tokens else list(DEFAULT_TOKENS)
@@ -983,7 +1064,7 @@ def roofline_command(
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         payload = {"model": None if random_init else name, "random_init": random_init} | result.to_json()
-        json_out.write_text(json.dumps(payload, indent=2))
+        _write_json(json_out, payload)
         console.print(f"wrote {json_out}")
     if png is not None:
         title = f"{name}, {result.device}, {result.dtype}, prompt {result.prompt_tokens} tokens"
@@ -1004,6 +1085,7 @@ def demo_command(
     from fastddrive.eval.plots import draw_frontier, draw_scene
 
     with user_errors():
+        _check_demo_folder(out)
         console.print(f"simulating {scenes + 1} fresh scenes (seed {seed}) and loading {model} ...")
         chosen = _bench_scenes(None, "test", seed, scenes + 1)
         planner = fastddrive.load(model)
@@ -1013,8 +1095,8 @@ def demo_command(
     first = results["ss"][0]
     console.print(f"[bold]ss answer for {timed[0].sample_id}[/] ({timed[0].scenario}, {timed[0].command}):")
     console.print(first.text, highlight=False, soft_wrap=True)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "answer.json").write_text(json.dumps(first.to_json(), indent=2))
+    out.mkdir(exist_ok=True)
+    _write_json(out / "answer.json", first.to_json())
     for k, scene in enumerate(timed):
         plans = {run.label: results[run.label][k] for run in runs}
         drawn = {label: r.response.trajectory for label, r in plans.items() if r.response is not None}

@@ -32,7 +32,70 @@ from fastddrive.tokenizer import (
 )
 
 INFO_FILE = "fastddrive.json"
+DEVICE_TYPES = ("cpu", "cuda", "mps")
 EMBEDDED_MODELS = {"default": "tiny-sasd", "default-ar": "tiny-ar", "default-jf": "tiny-jf"}
+
+
+class ModelFileError(ValueError):
+    """A model folder that cannot be loaded: a file missing, unreadable, damaged or not safetensors."""
+
+
+class DeviceError(ValueError):
+    """A device name that torch does not know or this machine does not have."""
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """The device, refused in one line if it is unknown or absent here (before any model loads)."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise DeviceError(f"unknown device {str(device)!r}; use one of {', '.join(DEVICE_TYPES)} (cuda:N)") from None
+    if parsed.type not in DEVICE_TYPES:
+        raise DeviceError(f"unsupported device {str(device)!r}; use one of {', '.join(DEVICE_TYPES)}")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(f"device {str(device)!r}: CUDA is not available on this machine")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise DeviceError(f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise DeviceError(f"device {str(device)!r}: MPS is not available on this machine")
+    return parsed
+
+
+def _check_folder(path: Path) -> dict:
+    """The folder's config, after checking that its files are there and readable: one line naming the file
+    otherwise. Weights must be safetensors (a pickle is never loaded)."""
+    if not (path / "config.json").is_file():
+        raise ModelFileError(f"{path} is not a model folder: config.json is missing")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ModelFileError(f"{path / 'config.json'} is not valid JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise ModelFileError(f"{path / 'config.json'} is not a JSON object")
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+        hint = f" ({', '.join(pickles)} found: only safetensors are loaded, never pickles)" if pickles else ""
+        raise ModelFileError(f"{path} holds no model.safetensors{hint}")
+    for file in weights:
+        _check_safetensors(file)
+    return config
+
+
+def _check_safetensors(file: Path) -> None:
+    """The header parses and the tensors it lists fit inside the file (a truncated copy does not)."""
+    size = file.stat().st_size
+    try:
+        with file.open("rb") as handle:
+            header_size = int.from_bytes(handle.read(8), "little")
+            if header_size <= 0 or 8 + header_size > size:
+                raise ValueError("its header is cut short")
+            header = json.loads(handle.read(header_size))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ModelFileError(f"{file} is not a readable safetensors file: {err}") from None
+    end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"), default=0)
+    if 8 + header_size + end > size:
+        raise ModelFileError(f"{file} is truncated: {size} bytes where its header needs {8 + header_size + end}")
 
 
 def load_model(
@@ -47,16 +110,18 @@ def load_model(
     resized); for inference a checkpoint without them is refused.
     """
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a model folder: config.json is missing")
-    tokenizer = load_tokenizer(path)
+    device = check_device(device)
+    config = _check_folder(path)
     info = read_info(path)
-    config = json.loads((path / "config.json").read_text())
     model_class = Qwen2_5_VLForConditionalGeneration if config.get("model_type") == "qwen2_5_vl" else Qwen2ForCausalLM
-    model = model_class.from_pretrained(str(path), dtype=dtype or torch.float32, local_files_only=True)
-    image_processor = None
-    if model_class is Qwen2_5_VLForConditionalGeneration:
-        image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(path), local_files_only=True)
+    try:
+        tokenizer = load_tokenizer(path)
+        model = model_class.from_pretrained(str(path), dtype=dtype or torch.float32, local_files_only=True)
+        image_processor = None
+        if model_class is Qwen2_5_VLForConditionalGeneration:
+            image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:  # transformers' own errors on damaged or missing files
+        raise ModelFileError(f"{path} could not be loaded: {str(err).splitlines()[0]}") from None
     wrapper = BlockDiffusionModel(model.to(device), tokenizer, image_processor, info)
     wrapper.source = path
     if training:
@@ -118,7 +183,10 @@ def read_info(path: Path) -> CheckpointInfo:
     file = path / INFO_FILE
     if not file.is_file():
         return CheckpointInfo(kind="block-diffusion")
-    return CheckpointInfo(**json.loads(file.read_text()))
+    try:
+        return CheckpointInfo(**json.loads(file.read_text()))
+    except (json.JSONDecodeError, TypeError) as err:
+        raise ModelFileError(f"{file} is not a valid {INFO_FILE}: {err}") from None
 
 
 def tiny_qwen2_5_vl(

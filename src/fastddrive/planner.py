@@ -7,6 +7,7 @@ result.response.trajectory, result.nfe, result.decode_ms
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,18 @@ from fastddrive.data.sample import NAV_COMMANDS, DrivingSample, SampleError, che
 from fastddrive.decode.registry import decode
 from fastddrive.decode.result import DecodeResult
 from fastddrive.model import BlockDiffusionModel, PromptInputs
-from fastddrive.model_files import load_model, model_path
+from fastddrive.model_files import check_device, load_model, model_path
 from fastddrive.prompt import chat_text
 from fastddrive.scaffold import DEFAULT_EXPLANATION_BUDGET, Scaffold
+
+
+def _real_numbers(value: Any) -> bool:
+    """Whether `value` is an int or float array, or nested sequences of ints and floats (not bools)."""
+    if isinstance(value, np.ndarray):
+        return value.dtype.kind in "iuf"
+    if isinstance(value, (list, tuple)):
+        return all(_real_numbers(item) for item in value)
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 class PlanInputs(BaseModel):
@@ -49,10 +59,9 @@ class PlanInputs(BaseModel):
     @field_validator("history", mode="before")
     @classmethod
     def _history(cls, value: Any) -> np.ndarray:
-        try:
-            array = np.asarray(value, dtype=float)
-        except (TypeError, ValueError):
-            raise SampleError("history must be 7 rows of 6 numbers (x, y, vx, vy, ax, ay)") from None
+        if not _real_numbers(value):  # strings, booleans and complex numbers would be cast silently
+            raise SampleError("history must be 7 rows of 6 real numbers (x, y, vx, vy, ax, ay)")
+        array = np.asarray(value, dtype=float)
         check_history(array)
         return array
 
@@ -104,6 +113,8 @@ class Planner:
         """Answer one scene (a DrivingSample, PlanInputs, or images/history/command) with `decoder`."""
         if scene is None:
             scene = PlanInputs.checked(images=() if images is None else images, history=history, command=command)
+            if self.model.is_vision and not scene.images:
+                raise SampleError("this is a vision model: give at least one camera image (images=...)")
         return decode(decoder, self.model, self.prompt(scene), self.scaffold, **options)
 
 
@@ -117,7 +128,7 @@ def load(
 
     Weights are bfloat16 on a GPU and float32 on the CPU unless `dtype` says otherwise. On a GPU, decode
     forwards are replayed as CUDA graphs (`static_decode`) unless `cuda_graphs` is False."""
-    on_gpu = torch.device(device).type == "cuda"
+    on_gpu = check_device(device).type == "cuda"
     model = load_model(model_path(str(name)), device=device, dtype=dtype or (torch.bfloat16 if on_gpu else None))
     if cuda_graphs if cuda_graphs is not None else model.device.type == "cuda":
         model.use_static_shapes(graphs=True)

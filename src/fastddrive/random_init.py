@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
 
 from fastddrive.model import IMAGE_TOKEN, BlockDiffusionModel, CheckpointInfo
-from fastddrive.model_files import tiny_image_processor
+from fastddrive.model_files import check_device, tiny_image_processor
 from fastddrive.tokenizer import END_OF_TEXT, default_tokenizer_path, diffusion_token_ids, load_tokenizer
 
 ARCHITECTURE_SUFFIX = "-architecture.json"
@@ -80,6 +80,7 @@ def random_init_model(
     Parameters are created on `device` in `dtype`, so the 3B model never exists in float32 on the host.
     `info.extra["random_init"]` names the preset, marking the weights as meaningless.
     """
+    device = check_device(device)
     tokenizer = load_tokenizer(default_tokenizer_path())
     vocab = tokenizer.get_vocab()
     token_ids = {

@@ -1,9 +1,12 @@
 """Build a simulator dataset episode by episode, resumably, in parallel worker processes.
 
-Every episode is one parquet shard written atomically into its split's folder, so an interrupted run
-picks up where it stopped: the manifest records the settings, and a rerun with the same settings
-skips the shards that exist. Splits are by episode (no scene in two splits). A failed episode is
-reported and the others still complete; the dataset is marked complete only when none failed.
+Every episode is one parquet shard written atomically into its split's folder. The manifest records the
+settings and, as each episode finishes, its shard's size, sha256 and sample count and the episode's end
+reason (rewritten atomically), so an interrupted run loses nothing it finished: a rerun with the same
+settings keeps every shard that matches its record and simulates the rest again, which also rebuilds
+missing or damaged shards of a complete dataset (episodes are seeded, so byte for byte the same). Splits
+are by episode (no scene in two splits). A failed episode is reported and the others still complete; the
+dataset is marked complete only when none failed.
 Val and test episodes also get the simulated raters (data/raters.py) that the WOD-E2E rater feedback
 score needs; training episodes do not (nothing trains on them, and they cost several times the episode).
 """
@@ -12,22 +15,32 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
 import shutil
 import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 
-from fastddrive.data.sample import DATASET_FORMAT, MANIFEST, SPLITS, write_shard
+from fastddrive.data.sample import (
+    DATASET_FORMAT,
+    MANIFEST,
+    SHARDS,
+    SPLITS,
+    ShardCheck,
+    check_shard,
+    shard_record,
+    write_atomically,
+    write_shard,
+)
 
 # Over every 10 rounds of scenarios: 8 to train, 1 to val, 1 to test; test comes early so that
 # small datasets have one.
 SPLIT_CYCLE = ("train", "test", "train", "val", "train", "train", "train", "train", "train", "train")
 SEED_STRIDE = 100_000
+MANIFEST_VERSION = 2  # 2: the manifest records every shard (SHARDS); 1: it did not
 RATER_SPLITS = ("val", "test")  # the splits that are scored with the rater feedback score
 
 
@@ -52,6 +65,7 @@ class EpisodeResult:
     seconds: float
     end_reason: str = ""  # duration, end_of_road or crash (the expert's own)
     error: str | None = None
+    record: dict[str, object] | None = None  # the shard's size, sha256 and samples (sample.shard_record)
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,7 @@ class BuildReport:
     samples: int
     failed: list[EpisodeResult]
     seconds: float
+    repaired: list[str] = field(default_factory=list)  # "shard problem" of each shard found bad and redone
 
     @property
     def samples_per_second(self) -> float:
@@ -88,6 +103,21 @@ def plan_episodes(
     return jobs
 
 
+def planned_shards(settings: dict[str, object]) -> list[str] | None:
+    """The shards (relative paths) that a simulator dataset's manifest settings plan; None for another source."""
+    if settings.get("source") != "highway-env":
+        return None
+    try:
+        jobs = plan_episodes(int(settings["episodes"]), int(settings["seed"]), list(settings["scenarios"]))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    return [job.shard for job in jobs]
+
+
+def _episode_key(job: EpisodeJob) -> str:
+    return f"{job.index:05d}-{job.scenario}"
+
+
 def _settings(episodes: int, seed: int, scenarios: list[str], rater_splits: tuple[str, ...]) -> dict[str, object]:
     from fastddrive.data.highway import FRAME_SIZE_PX, SIMULATION_HZ
     from fastddrive.data.raters import DRIVERS, RULE_VERSION
@@ -109,7 +139,11 @@ def _settings(episodes: int, seed: int, scenarios: list[str], rater_splits: tupl
     }
 
 
-def _prepare_output(out: Path, settings: dict[str, object], overwrite: bool) -> None:
+def _prepare_output(
+    out: Path, settings: dict[str, object], overwrite: bool, refuse_complete: bool = True
+) -> dict[str, object]:
+    """Check (or with `overwrite` clear) the output folder; returns the manifest of the dataset it holds with
+    the same settings ({} for none). A complete one is refused unless `refuse_complete` is False."""
     manifest_path = out / MANIFEST
     if out.exists() and not out.is_dir():
         raise OutputExists(f"{out} exists and is not a directory")
@@ -120,12 +154,19 @@ def _prepare_output(out: Path, settings: dict[str, object], overwrite: bool) -> 
             for split in SPLITS:
                 shutil.rmtree(out / split, ignore_errors=True)
             manifest_path.unlink()
-        return
+        return {}
     if not out.exists() or not any(out.iterdir()):
-        return
+        return {}
     if not manifest_path.is_file():
         raise OutputExists(f"{out} is not empty and is not a fastddrive dataset; choose another --out")
-    manifest = json.loads(manifest_path.read_text())
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as err:
+        raise OutputExists(
+            f"{manifest_path} is not valid JSON ({err.msg}); pass --overwrite to replace the dataset"
+        ) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != DATASET_FORMAT:
+        raise OutputExists(f"{out} is not a fastddrive dataset; choose another --out")
     existing = manifest.get("settings", {})
     if existing != settings:
         differ = ", ".join(
@@ -135,15 +176,46 @@ def _prepare_output(out: Path, settings: dict[str, object], overwrite: bool) -> 
             f"{out} holds a dataset made with other settings ({differ}); "
             "pass --overwrite to replace it or choose another --out"
         )
-    if manifest.get("complete"):
-        raise OutputExists(f"{out} already holds this complete dataset; pass --overwrite to regenerate it")
+    if refuse_complete and manifest.get("complete"):
+        raise OutputExists(_COMPLETE.format(out=out))
+    return manifest
 
 
-def _write_manifest(out: Path, settings: dict[str, object], complete: bool, counts: dict[str, int]) -> None:
-    manifest = {"format": DATASET_FORMAT, "version": 1, "settings": settings, "complete": complete, **counts}
-    tmp = out / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2))
-    os.replace(tmp, out / MANIFEST)
+_COMPLETE = "{out} already holds this complete dataset; pass --overwrite to regenerate it"
+
+
+def record_shards(out: Path) -> dict[str, dict[str, object]]:
+    """Records (sample.shard_record) of the readable shards now in `out`'s split folders, for converters that
+    write their shards first and the manifest after."""
+    records = {}
+    for split in SPLITS:
+        for path in sorted((out / split).glob("*.parquet")):
+            shard = f"{split}/{path.name}"
+            check: ShardCheck = check_shard(out, shard, None)
+            if check.ok and check.samples is not None:
+                records[shard] = shard_record(path.read_bytes(), check.samples)
+    return records
+
+
+def _write_manifest(
+    out: Path,
+    settings: dict[str, object],
+    complete: bool,
+    counts: dict[str, object],
+    shards: dict[str, dict[str, object]] | None = None,
+) -> None:
+    """Write the manifest atomically. `shards` are the shard records (sample.SHARDS); None records the
+    readable shards in the folder now (record_shards)."""
+    records = record_shards(out) if shards is None else shards
+    manifest = {
+        "format": DATASET_FORMAT,
+        "version": MANIFEST_VERSION,
+        "settings": settings,
+        "complete": complete,
+        **counts,
+        SHARDS: {shard: records[shard] for shard in sorted(records)},
+    }
+    write_atomically(out / MANIFEST, json.dumps(manifest, indent=2).encode())
 
 
 def run_episode(root: str, job: EpisodeJob) -> EpisodeResult:
@@ -154,10 +226,56 @@ def run_episode(root: str, job: EpisodeJob) -> EpisodeResult:
 
         log = simulate_episode(job.scenario, job.seed, raters=job.raters)
         samples = [build_sample(log, k) for k in sample_steps(log)]
-        write_shard(Path(root) / job.shard, samples)
-        return EpisodeResult(job, len(samples), time.perf_counter() - start, log.end_reason)
+        record = write_shard(Path(root) / job.shard, samples)
+        return EpisodeResult(job, len(samples), time.perf_counter() - start, log.end_reason, record=record)
     except Exception:  # noqa: BLE001 - a failed episode is reported, the build goes on
         return EpisodeResult(job, 0, time.perf_counter() - start, error=traceback.format_exc(limit=4))
+
+
+def _kept_episodes(
+    out: Path, jobs: list[EpisodeJob], manifest: dict[str, object]
+) -> tuple[dict[str, dict[str, object]], dict[str, str], list[EpisodeJob], list[str]]:
+    """What an earlier run left: the shard records and end reasons to keep, the episodes to simulate (again),
+    and for each shard found bad, "shard problem".
+
+    A shard is kept when it matches its record (size and sha256) and its episode's end reason is recorded;
+    the records of bad shards stay in the manifest until they are rebuilt, so readers keep naming them. A
+    dataset from before shards were recorded has its readable shards adopted (recorded now)."""
+    before = manifest.get(SHARDS)
+    ends_before = manifest.get("end_reasons") or {}
+    complete = bool(manifest.get("complete"))
+    records: dict[str, dict[str, object]] = {}
+    ends: dict[str, str] = {}
+    todo, problems = [], []
+    for job in jobs:
+        key, path = _episode_key(job), out / job.shard
+        record = before.get(job.shard) if isinstance(before, dict) else None
+        if record is None and not path.exists():
+            if complete:  # a dataset from before shards were recorded lists its shards by its settings
+                problems.append(f"{job.shard} is missing")
+            todo.append(job)
+            continue
+        if before is not None and record is None:
+            problems.append(f"{job.shard} is not recorded in the manifest")
+            todo.append(job)
+            continue
+        check = check_shard(out, job.shard, record)
+        if record is not None:
+            records[job.shard] = record
+            if key in ends_before:
+                ends[key] = ends_before[key]
+        if not check.ok:
+            problems.append(f"{job.shard} {check.problem}")
+        elif key not in ends_before:
+            problems.append(f"{job.shard} has no recorded end reason")
+        elif record is None:
+            records[job.shard] = shard_record(path.read_bytes(), check.samples or 0)
+            ends[key] = ends_before[key]
+            continue
+        else:
+            continue
+        todo.append(job)
+    return records, ends, todo, problems
 
 
 def build_dataset(
@@ -170,8 +288,11 @@ def build_dataset(
     on_start: Callable[[int, int], None] | None = None,
     on_episode: Callable[[EpisodeResult], None] | None = None,
     rater_splits: tuple[str, ...] = RATER_SPLITS,
+    on_problem: Callable[[str], None] | None = None,
 ) -> BuildReport:
-    """Generate (or resume) a dataset in `out`. `on_start(todo, done)` and `on_episode` report progress.
+    """Generate (or resume, or repair) a dataset in `out`. `on_start(todo, done)` and `on_episode` report
+    progress; `on_problem("shard problem")` names, before any work, each shard found missing or damaged
+    that will be rebuilt (also in the report's `repaired`).
 
     The samples of `rater_splits` (val and test) carry simulated raters; the manifest's settings say so.
     """
@@ -184,42 +305,73 @@ def build_dataset(
         raise ValueError(f"unknown split {unknown[0]!r} for raters; known: {', '.join(SPLITS)}")
     jobs = plan_episodes(episodes, seed, scenarios, rater_splits)
     settings = _settings(episodes, seed, scenarios, rater_splits)
-    _prepare_output(out, settings, overwrite)
+    manifest = _prepare_output(out, settings, overwrite, refuse_complete=False)
+    planned = {job.shard for job in jobs}
+    on_disk = [f"{split}/{p.name}" for split in SPLITS for p in (out / split).glob("*.parquet")]
+    stray = sorted(shard for shard in on_disk if shard not in planned)
+    if stray:
+        raise OutputExists(
+            f"{out} holds shard(s) this dataset does not plan ({', '.join(stray[:3])}"
+            f"{', ...' if len(stray) > 3 else ''}); remove them or pass --overwrite"
+        )
+    records, ends, todo, problems = _kept_episodes(out, jobs, manifest)
+    if manifest.get("complete") and not todo:
+        raise OutputExists(_COMPLETE.format(out=out))
     out.mkdir(parents=True, exist_ok=True)
-    manifest_path = out / MANIFEST
-    kept = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
-    _write_manifest(out, settings, complete=False, counts={"end_reasons": kept.get("end_reasons", {})})
 
-    todo = [j for j in jobs if not (out / j.shard).is_file()]
+    def counts() -> dict[str, object]:
+        return {"episodes_written": len(records), "end_reasons": {k: ends[k] for k in sorted(ends)}}
+
+    def note(result: EpisodeResult) -> None:
+        """Record a finished episode in the manifest at once, so that an interrupt cannot lose it."""
+        if result.error is None and result.record is not None:
+            records[result.job.shard] = result.record
+            ends[_episode_key(result.job)] = result.end_reason
+            _write_manifest(out, settings, complete=False, counts=counts(), shards=records)
+
+    _write_manifest(out, settings, complete=False, counts=counts(), shards=records)
+    if on_problem:
+        for problem in problems:
+            on_problem(problem)
     if on_start:
         on_start(len(todo), len(jobs) - len(todo))
     start = time.perf_counter()
     results: list[EpisodeResult] = []
     if workers <= 1:
         for job in todo:
-            results.append(run_episode(str(out), job))
+            result = run_episode(str(out), job)
+            note(result)
+            results.append(result)
             if on_episode:
-                on_episode(results[-1])
+                on_episode(result)
     else:
         pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+        futures = []
+        noted: set[int] = set()
         try:
             futures = [pool.submit(run_episode, str(out), job) for job in todo]
             for future in as_completed(futures):
-                results.append(future.result())
+                result = future.result()
+                note(result)
+                noted.add(id(future))
+                results.append(result)
                 if on_episode:
-                    on_episode(results[-1])
+                    on_episode(result)
         finally:
-            # On Ctrl-C stop at once: queued episodes are cancelled, not run (a rerun resumes them).
+            # On Ctrl-C stop at once: queued episodes are cancelled, not run (a rerun resumes them); the
+            # episodes that finish meanwhile are recorded.
             pool.shutdown(wait=True, cancel_futures=True)
+            for future in futures:
+                if id(future) not in noted and future.done() and not future.cancelled() and not future.exception():
+                    note(future.result())
     failed = [r for r in results if r.error is not None]
-    previous = json.loads(manifest_path.read_text()).get("end_reasons", {})
-    ends = {f"{r.job.index:05d}-{r.job.scenario}": r.end_reason for r in results if r.error is None}
-    counts = {"episodes_written": len(jobs) - len(failed), "end_reasons": {**previous, **ends}}
-    _write_manifest(out, settings, complete=not failed, counts=counts)
+    complete = not failed and len(records) == len(jobs)
+    _write_manifest(out, settings, complete=complete, counts=counts(), shards=records)
     return BuildReport(
         episodes=len(jobs),
         skipped=len(jobs) - len(todo),
         samples=sum(r.samples for r in results),
         failed=failed,
         seconds=time.perf_counter() - start,
+        repaired=problems,
     )

@@ -2,13 +2,18 @@
 
 Units and frames: metres, seconds, m/s, m/s^2; every array is in the ego frame at t = 0 (+x forward,
 +y left). A dataset folder holds `manifest.json` and one parquet shard per episode under
-`train/`, `val/` and `test/`. Val and test samples of simulator datasets also carry up to 3 simulated
+`train/`, `val/` and `test/`; the manifest records every shard's size, sha256 and sample count (`shards`),
+and readers check a shard before they use it: its presence and size always, its checksum when this process
+first reads it, so a missing, truncated or corrupted shard is a DatasetError that names it. Datasets written
+before shards were recorded are read as they are: readable parquet, and for a complete simulator dataset every
+planned shard present. Val and test samples of simulator datasets also carry up to 3 simulated
 raters' futures with 0..10 scores (data/raters.py) for the WOD-E2E rater feedback score; shards written
 before raters existed read back with none.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -36,6 +41,7 @@ MAX_RATERS = 3  # WOD-E2E: up to 3 rater trajectories per scene
 RATER_MAX_SCORE = 10.0
 MANIFEST = "manifest.json"
 DATASET_FORMAT = "fastddrive-driving-samples"
+SHARDS = "shards"  # manifest key: shard path relative to the root -> {"bytes", "sha256", "samples"}
 
 
 class SampleError(ValueError):
@@ -236,20 +242,39 @@ def _reshape_raters(flat: np.ndarray) -> np.ndarray:
     return flat.reshape(-1, FUTURE_STEPS, 2)
 
 
-def write_shard(path: Path, samples: list[DrivingSample]) -> None:
-    """Write samples as one parquet shard, atomically (a partial file never has the final name)."""
-    table = pa.Table.from_pylist([to_row(s) for s in samples], schema=_SCHEMA)
+def shard_record(data: bytes, samples: int) -> dict[str, Any]:
+    """What the manifest records of one shard: its size in bytes, its sha256 and its number of samples."""
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "samples": samples}
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that a partial file never has the final name (flushed to disk first)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp)
+    with open(tmp, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
     os.replace(tmp, path)
 
 
-def read_shard(path: Path, columns: list[str] | None = None) -> pa.Table:
-    """One shard as an Arrow table in the current schema; columns an older shard lacks come back as empty lists."""
+def write_shard(path: Path, samples: list[DrivingSample]) -> dict[str, Any]:
+    """Write samples as one parquet shard, atomically; returns its record for the manifest (shard_record)."""
+    table = pa.Table.from_pylist([to_row(s) for s in samples], schema=_SCHEMA)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    data = sink.getvalue().to_pybytes()
+    write_atomically(path, data)
+    return shard_record(data, table.num_rows)
+
+
+def read_shard(path: Path | pa.NativeFile, columns: list[str] | None = None) -> pa.Table:
+    """One shard (a path or an open Arrow file) as an Arrow table in the current schema; columns an older
+    shard lacks come back as empty lists."""
     wanted = list(columns) if columns else _SCHEMA.names
-    present = set(pq.read_schema(path).names)
-    table = pq.read_table(path, columns=[c for c in wanted if c in present])
+    with pq.ParquetFile(path) as file:
+        present = set(file.schema_arrow.names)
+        table = file.read(columns=[c for c in wanted if c in present])
     for name in wanted:
         if name not in present and name in _LATER_COLUMNS:
             empty = pa.array([[]] * table.num_rows, type=_SCHEMA.field(name).type)
@@ -261,9 +286,125 @@ class DatasetError(ValueError):
     """A path that is not a fastddrive dataset, or a dataset that cannot be read."""
 
 
+class ShardError(DatasetError):
+    """One shard of a dataset is missing, damaged or not the one the manifest records; `shard` names it
+    (relative to the dataset root) and `problem` says what is wrong."""
+
+    def __init__(self, message: str, shard: str, problem: str) -> None:
+        super().__init__(message)
+        self.shard = shard
+        self.problem = problem
+
+
+SHARD_STATES = ("ok", "missing", "damaged", "unrecorded")
+
+
+@dataclass(frozen=True)
+class ShardCheck:
+    """The state of one shard: ok, missing, damaged (wrong size, checksum mismatch, unreadable parquet, or
+    another number of samples than recorded) or unrecorded (a shard file the manifest does not list)."""
+
+    shard: str  # path relative to the dataset root, as the manifest records it: "<split>/<name>.parquet"
+    state: str
+    problem: str = ""  # what is wrong, as it follows the shard's name ("is truncated: ...")
+    samples: int | None = None  # known when the shard is ok (or recorded)
+    bytes: int | None = None  # the size on disk
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "ok"
+
+
+# Shards whose checksum this process has verified: (path, size, mtime_ns, sha256). Hashing once per process
+# keeps repeated reads (a split read per epoch, `sample` after `table`) at the cost of reading the file alone.
+_VERIFIED: set[tuple[str, int, int, str]] = set()
+
+
+def _size_problem(size: int, recorded: int) -> str:
+    if size < recorded:
+        return f"is truncated: {size} bytes where the manifest records {recorded}"
+    return f"has the wrong size: {size} bytes where the manifest records {recorded}"
+
+
+def _unreadable(err: BaseException) -> str:
+    detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"is not a readable parquet file ({type(err).__name__}{': ' + detail if detail else ''})"
+
+
+def _check_bytes(shard: str, record: dict[str, Any] | None, data: bytes) -> tuple[ShardCheck, pa.Table | None]:
+    """Check a shard's bytes against its record (the checksum, then the parquet footer's row count) or, without
+    a record, by reading every column; the table comes back when it was read."""
+    size = len(data)
+    if record is not None:
+        if size != record["bytes"]:
+            return ShardCheck(shard, "damaged", _size_problem(size, record["bytes"]), bytes=size), None
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != record["sha256"]:
+            recorded = record["sha256"][:16]
+            problem = f"fails its checksum: sha256 {digest[:16]}... where the manifest records {recorded}..."
+            return ShardCheck(shard, "damaged", problem, bytes=size), None
+    try:
+        if record is not None:
+            with pq.ParquetFile(pa.BufferReader(data)) as file:
+                rows, table = file.metadata.num_rows, None
+        else:
+            table = read_shard(pa.BufferReader(data))
+            rows = table.num_rows
+    except (pa.ArrowException, OSError) as err:
+        return ShardCheck(shard, "damaged", _unreadable(err), bytes=size), None
+    if record is not None and rows != record["samples"]:
+        problem = f"holds {rows} samples where the manifest records {record['samples']}"
+        return ShardCheck(shard, "damaged", problem, bytes=size), None
+    return ShardCheck(shard, "ok", samples=rows, bytes=size), table
+
+
+def _verified_key(path: Path, record: dict[str, Any]) -> tuple[str, int, int, str] | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return (str(path.resolve()), stat.st_size, stat.st_mtime_ns, record["sha256"])
+
+
+def check_shard(root: Path, shard: str, record: dict[str, Any] | None, checksum: bool = True) -> ShardCheck:
+    """The state of `root/shard` against its manifest `record` (None: a dataset written before shards were
+    recorded, checked for readable parquet only). `checksum=False` checks presence and size alone."""
+    path = root / shard
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return ShardCheck(shard, "missing", "is missing")
+    except OSError as err:
+        return ShardCheck(shard, "damaged", f"cannot be read ({err.strerror or err})")
+    if record is not None and (size != record["bytes"] or not checksum):
+        if size != record["bytes"]:
+            return ShardCheck(shard, "damaged", _size_problem(size, record["bytes"]), bytes=size)
+        return ShardCheck(shard, "ok", samples=record["samples"], bytes=size)
+    key = _verified_key(path, record) if record is not None else None
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        return ShardCheck(shard, "damaged", f"cannot be read ({err.strerror or err})", bytes=size)
+    check, _ = _check_bytes(shard, record, data)
+    if check.ok and key is not None:
+        _VERIFIED.add(key)
+    return check
+
+
+def _planned_shards(manifest: dict[str, Any]) -> list[str] | None:
+    """The shards a simulator dataset's settings plan (None for other sources or unusable settings)."""
+    from fastddrive.data.build import planned_shards  # build imports this module
+
+    return planned_shards(manifest.get("settings") or {})
+
+
 @dataclass(frozen=True)
 class DrivingDataset:
-    """A dataset folder: its manifest and its shards, read lazily split by split."""
+    """A dataset folder: its manifest and its shards, read lazily split by split.
+
+    Every read checks the shards it uses (presence and size always, the checksum once per process) and raises
+    ShardError naming a missing or damaged one; no shard is skipped.
+    """
 
     root: Path
     manifest: dict[str, Any]
@@ -280,28 +421,115 @@ class DrivingDataset:
             manifest = json.loads(manifest_path.read_text())
         except json.JSONDecodeError as err:
             raise DatasetError(f"{manifest_path} is not valid JSON: {err.msg}") from None
-        if manifest.get("format") != DATASET_FORMAT:
-            raise DatasetError(f"{root} is not a fastddrive dataset: {MANIFEST} has format {manifest.get('format')!r}")
+        if not isinstance(manifest, dict) or manifest.get("format") != DATASET_FORMAT:
+            found = manifest.get("format") if isinstance(manifest, dict) else None
+            raise DatasetError(f"{root} is not a fastddrive dataset: {MANIFEST} has format {found!r}")
+        records = manifest.get(SHARDS)
+        if records is not None and not _valid_records(records):
+            raise DatasetError(f"{manifest_path} is damaged: its {SHARDS!r} entry is not a table of shard records")
         return cls(root, manifest)
 
-    def shards(self, split: str) -> list[Path]:
+    @property
+    def records(self) -> dict[str, dict[str, Any]] | None:
+        """The manifest's shard records, or None for a dataset written before shards were recorded."""
+        return self.manifest.get(SHARDS)
+
+    def _check_split(self, split: str) -> None:
         if split not in SPLITS:
             raise DatasetError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
-        return sorted((self.root / split).glob("*.parquet"))
+
+    def check_shards(self, split: str, checksum: bool = True) -> list[ShardCheck]:
+        """Every shard of a split in order, the manifest's and those on disk: `checksum=False` checks presence
+        and size only (of a dataset without records: presence of the planned shards of a complete one)."""
+        self._check_split(split)
+        on_disk = {f"{split}/{p.name}" for p in (self.root / split).glob("*.parquet")}
+        records = self.records
+        if records is None:
+            expected = set()
+            if self.manifest.get("complete"):
+                expected = {s for s in _planned_shards(self.manifest) or () if s.startswith(f"{split}/")}
+            checks = []
+            for shard in sorted(on_disk | expected):
+                if shard not in on_disk:
+                    checks.append(ShardCheck(shard, "missing", "is missing"))
+                elif checksum:
+                    checks.append(check_shard(self.root, shard, None))
+                else:
+                    checks.append(ShardCheck(shard, "ok", bytes=(self.root / shard).stat().st_size))
+            return checks
+        listed = {s for s in records if s.startswith(f"{split}/")}
+        return [
+            check_shard(self.root, s, records[s], checksum)
+            if s in listed
+            else ShardCheck(s, "unrecorded", "is not recorded in the manifest")
+            for s in sorted(listed | on_disk)
+        ]
+
+    def _error(self, check: ShardCheck, others: int = 0) -> ShardError:
+        if check.state == "unrecorded":
+            remedy = "remove it, or rerun the command that made the dataset to finish it"
+        elif self.manifest.get("settings", {}).get("source") == "highway-env":
+            remedy = "rerun `fastddrive data highway` with the same settings to rebuild it"
+        else:
+            remedy = "make the dataset again"
+        more = f" (and {others} more shard(s) with problems)" if others else ""
+        return ShardError(
+            f"damaged dataset {self.root}: shard {check.shard} {check.problem}{more}; {remedy}",
+            check.shard,
+            check.problem,
+        )
+
+    def shards(self, split: str) -> list[Path]:
+        """The split's shard files in order, each present with its recorded size, or a ShardError."""
+        checks = self.check_shards(split, checksum=False)
+        bad = [c for c in checks if not c.ok]
+        if bad:
+            raise self._error(bad[0], len(bad) - 1)
+        return [self.root / c.shard for c in checks]
+
+    def _read(self, path: Path, columns: list[str] | None) -> pa.Table:
+        """One shard, its checksum verified on the first read in this process."""
+        shard = f"{path.parent.name}/{path.name}"
+        record = (self.records or {}).get(shard)
+        try:
+            key = _verified_key(path, record) if record is not None else None
+            if key is None or key in _VERIFIED:
+                return read_shard(path, columns)
+            check, _ = _check_bytes(shard, record, data := path.read_bytes())
+            if not check.ok:
+                raise self._error(check)
+            _VERIFIED.add(key)
+            return read_shard(pa.BufferReader(data), columns)
+        except FileNotFoundError:
+            raise self._error(ShardCheck(shard, "missing", "is missing")) from None
+        except (pa.ArrowException, OSError) as err:
+            raise self._error(ShardCheck(shard, "damaged", _unreadable(err))) from None
 
     def table(self, split: str, columns: list[str] | None = None) -> pa.Table:
         """All rows of a split (optionally only some columns) as one Arrow table, in shard order."""
         shards = self.shards(split)
         if not shards:
             return _SCHEMA.empty_table().select(columns) if columns else _SCHEMA.empty_table()
-        return pa.concat_tables(read_shard(p, columns) for p in shards)
+        return pa.concat_tables([self._read(p, columns) for p in shards])
 
     def __len__(self) -> int:
-        return sum(pq.ParquetFile(p).metadata.num_rows for split in SPLITS for p in self.shards(split))
+        total = 0
+        for split in SPLITS:
+            for path in self.shards(split):
+                record = (self.records or {}).get(f"{split}/{path.name}")
+                if record is not None:
+                    total += record["samples"]
+                    continue
+                try:
+                    with pq.ParquetFile(path) as file:
+                        total += file.metadata.num_rows
+                except (pa.ArrowException, OSError) as err:
+                    raise self._error(ShardCheck(f"{split}/{path.name}", "damaged", _unreadable(err))) from None
+        return total
 
     def samples(self, split: str) -> Iterator[DrivingSample]:
         for shard in self.shards(split):
-            for row in read_shard(shard).to_pylist():
+            for row in self._read(shard, None).to_pylist():
                 yield from_row(row)
 
     def sample(self, split: str, index: int) -> DrivingSample:
@@ -309,3 +537,16 @@ class DrivingDataset:
         if not 0 <= index < table.num_rows:
             raise IndexError(f"split {split!r} has {table.num_rows} samples; index {index} is out of range")
         return from_row(table.slice(index, 1).to_pylist()[0])
+
+
+def _valid_records(records: Any) -> bool:
+    if not isinstance(records, dict):
+        return False
+    for shard, record in records.items():
+        if not isinstance(shard, str) or shard.count("/") != 1 or not isinstance(record, dict):
+            return False
+        if not isinstance(record.get("bytes"), int) or not isinstance(record.get("samples"), int):
+            return False
+        if not isinstance(record.get("sha256"), str):
+            return False
+    return True

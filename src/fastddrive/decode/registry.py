@@ -3,12 +3,16 @@
 A decoder is `fn(model, prompt, scaffold, **options) -> Decoded`; `decode` wraps it with the
 measurements every decoder reports (forward calls, prefill and decode wall time) and rebuilds the answer.
 The CLI, the planner and the benchmark only go through `decode`.
+
+Options are declared with their types and ranges in `decode.options`; `check_options` (which `decode`
+calls before touching the model) refuses unknown options and bad values with one `DecoderError` line.
+The command line's text (`--option tau=0.5`, `sd:tau=0.0:block_size=16`) is parsed by the same check,
+strictly; `parse_options(pairs, decoder)` and `parse_decoder_spec` do it before any model is loaded.
 """
 
 from __future__ import annotations
 
 import inspect
-import json
 import time
 from collections.abc import Callable
 
@@ -18,6 +22,7 @@ from fastddrive.decode.jacobi import jacobi_decode
 from fastddrive.decode.jacobi_mr import jacobi_mr_decode
 from fastddrive.decode.mdm import mdm_decode, section_diffusion_decode
 from fastddrive.decode.meter import ForwardMeter, synchronize
+from fastddrive.decode.options import OptionValueError, validate_options
 from fastddrive.decode.pvf import pvf_decode
 from fastddrive.decode.quadratic import quadratic_speculative_decode
 from fastddrive.decode.result import Decoded, DecodeResult
@@ -52,7 +57,8 @@ ON_AR_MODELS = (
 
 
 class DecoderError(ValueError):
-    """An unknown decoder, an option it does not take, or a model it cannot run on."""
+    """An unknown decoder, an option it does not take, a value outside the option's type or range, an empty
+    decoder list, or a model it cannot run on."""
 
 
 def decoder_options(name: str) -> dict[str, object]:
@@ -69,27 +75,64 @@ def get_decoder(name: str) -> DecoderFn:
     return DECODERS[name]
 
 
-def check_options(name: str, options: dict[str, object]) -> None:
-    """Raise DecoderError naming any option `name` does not take."""
+def check_options(name: str, options: dict[str, object]) -> dict[str, object]:
+    """The options given for decoder `name`, converted to their declared types and checked against their
+    ranges (text is parsed strictly, see `decode.options`). DecoderError, one line, names the first option
+    `name` does not take (with those it does) or whose value is wrong (with the range it takes)."""
     known = decoder_options(name)
     for key in options:
         if key not in known:
             takes = ", ".join(known) or "no options"
             raise DecoderError(f"decoder {name!r} takes no option {key!r} (it takes: {takes})")
+    try:
+        return validate_options(name, options)
+    except OptionValueError as err:
+        raise DecoderError(str(err)) from None
 
 
-def parse_options(pairs: list[str]) -> dict[str, object]:
-    """['tau=0.5', 'fuse_draft=false'] -> {'tau': 0.5, 'fuse_draft': False}: JSON values, else the text."""
+def parse_options(pairs: list[str], decoder: str | None = None) -> dict[str, object]:
+    """['tau=0.5', 'fuse_draft=false'] -> {'tau': '0.5', 'fuse_draft': 'false'}: the text of each KEY=VALUE,
+    which `check_options` (and so `decode`) converts by the option's declared type.
+
+    With `decoder`, the options are checked for it at once and come back typed ({'tau': 0.5, 'fuse_draft':
+    False}): the command line calls it so before loading any model. A pair without '=' or a key given twice
+    is a DecoderError."""
     options: dict[str, object] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise DecoderError(f"a decoder option is KEY=VALUE, got {pair!r}")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return options
+        if key in options:
+            raise DecoderError(f"decoder option {key!r} is given twice ({key}={options[key]} and {pair})")
+        options[key] = value
+    if decoder is None:
+        return options
+    get_decoder(decoder)
+    return check_options(decoder, options)
+
+
+def parse_decoder_spec(spec: str) -> tuple[str, dict[str, object]]:
+    """'sd' or 'sd:tau=0.0:block_size=16' -> ('sd', {'tau': 0.0, 'block_size': 16}): checked and typed."""
+    name, *pairs = spec.strip().split(":")
+    get_decoder(name)
+    return name, parse_options(pairs, name)
+
+
+def split_decoders(text: str) -> list[str]:
+    """'ar, sd:tau=0.0' -> ['ar', 'sd:tau=0.0']: the decoder specs of a comma-separated list, stripped.
+
+    DecoderError when the list is empty or names a decoder nowhere (',', 'ar,,sd', 'ar,') and when a spec
+    is given twice (its results would be reported once): nothing asked for is skipped in silence."""
+    specs = [spec.strip() for spec in text.split(",")]
+    known = ", ".join(DECODERS)
+    if not any(specs):
+        raise DecoderError(f"the decoder list {text!r} names no decoder; give a comma-separated list of: {known}")
+    if not all(specs):
+        raise DecoderError(f"the decoder list {text!r} has an empty name; give a comma-separated list of: {known}")
+    twice = sorted({spec for spec in specs if specs.count(spec) > 1})
+    if twice:
+        raise DecoderError(f"the decoder list {text!r} names {twice[0]!r} twice")
+    return specs
 
 
 def decode(
@@ -97,7 +140,7 @@ def decode(
 ) -> DecodeResult:
     """Run decoder `name` on one prompt and measure it."""
     fn = get_decoder(name)
-    check_options(name, options)
+    options = check_options(name, options)
     if model.info.kind == "autoregressive" and name not in ON_AR_MODELS:
         raise DecoderError(
             f"decoder {name!r} needs a block-diffusion checkpoint; this one is an AR model"

@@ -44,16 +44,16 @@ class TrainConfig(BaseModel):
     data: str = "runs/sim"
     out: str = "runs/model"
     architecture: TinyArchitecture = TinyArchitecture()
-    image_max_pixels: int = 224 * 112
-    steps: int = 2000
-    batch_size: int = 8
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
+    image_max_pixels: int = Field(default=224 * 112, gt=0)
+    steps: int = Field(default=2000, ge=1)
+    batch_size: int = Field(default=8, ge=1)
+    lr: float = Field(default=1e-3, gt=0, allow_inf_nan=False)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    warmup_steps: int = Field(default=100, ge=0)
+    weight_decay: float = Field(default=0.01, ge=0)
+    grad_clip: float = Field(default=1.0, gt=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
-    block_size: int = 32
+    block_size: int = Field(default=32, ge=1)
     anneal_block_size: bool = True
     alpha: float = 0.5
     beta: float = 0.5
@@ -78,13 +78,13 @@ class TrainConfig(BaseModel):
     jacobi_block_size: int = Field(default=16, ge=1)
     noise_window: int = Field(default=16, ge=1)
     ar_weight: float = Field(default=1.0, ge=0)
-    explanation_budget: int = 32
+    explanation_budget: int = Field(default=32, ge=1)
     scaffold_tokenization: Literal["pieces", "runs"] = "pieces"  # "runs" for real BPE vocabularies (scaffold.py)
-    checkpoint_every: int = 200
-    keep_checkpoints: int = 2
-    validate_every: int = 200
-    validation_samples: int = 16
-    log_every: int = 10
+    checkpoint_every: int = Field(default=200, ge=1)
+    keep_checkpoints: int = Field(default=2, ge=1)
+    validate_every: int = Field(default=200, ge=1)
+    validation_samples: int = Field(default=16, ge=1)
+    log_every: int = Field(default=10, ge=1)
     seed: int = 0
 
     @field_validator("section_weights", "ar_section_weights", "section_noise")

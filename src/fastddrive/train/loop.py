@@ -197,6 +197,7 @@ def train(
         mixed_precision="bf16" if config.dtype == "bfloat16" else "no", cpu=not torch.cuda.is_available()
     )
     out = Path(config.out)
+    DrivingDataset.open(config.data)  # a missing or foreign data folder is refused before anything is written
     existing = list_checkpoints(out)
     checkpoint = None
     if resume:
