@@ -1,3 +1,4 @@
+import csv
 import json
 import os
 import subprocess
@@ -134,6 +135,12 @@ def test_resuming_an_interrupted_run_gives_the_same_parameters(data, tmp_path):
     a, b = _params(whole.final), _params(resumed.final)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+    def logged_steps(run):
+        with (tmp_path / run / "log.csv").open() as handle:
+            return [row["step"] for row in csv.DictReader(handle)]
+
+    assert logged_steps("cut") == logged_steps("whole")  # no empty row, no step logged twice
 
 
 @pytest.mark.parametrize("damage", ["truncate-weights", "drop-optimizer"])

@@ -162,17 +162,22 @@ def validate(
     }
 
 
-def _append_log(out: Path, row: dict[str, Any], resumed_from: int | None = None) -> None:
+def _truncate_log(out: Path, resumed_from: int) -> None:
+    """Drop the log's rows after the step a run (re)starts from: the model never kept them (all of them when
+    it starts over because no checkpoint was usable)."""
     path = out / LOG_FILE
-    if resumed_from is not None and path.is_file():
-        # Rows after the checkpoint we resume from were not kept in the model: drop them.
-        with path.open() as handle:
-            kept = [r for r in csv.DictReader(handle) if int(r["step"]) <= resumed_from]
-        with path.open("w", newline="") as handle:
-            writer = csv.DictWriter(handle, LOG_COLUMNS)
-            writer.writeheader()
-            writer.writerows(kept)
+    if not path.is_file():
         return
+    with path.open() as handle:
+        kept = [r for r in csv.DictReader(handle) if r.get("step") and int(r["step"]) <= resumed_from]
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, LOG_COLUMNS)
+        writer.writeheader()
+        writer.writerows(kept)
+
+
+def _append_log(out: Path, row: dict[str, Any]) -> None:
+    path = out / LOG_FILE
     new = not path.is_file()
     with path.open("a", newline="") as handle:
         writer = csv.DictWriter(handle, LOG_COLUMNS)
@@ -236,7 +241,8 @@ def train(
         scheduler.load_state_dict(scheduler_state(checkpoint.path))
         start = checkpoint.step
         say(f"resuming from {checkpoint.path.name} (step {start})")
-        _append_log(out, {}, resumed_from=start)
+    if resume:
+        _truncate_log(out, start)
     model.model, optimizer, scheduler = accelerator.prepare(model.model, optimizer, scheduler)
 
     world, rank = accelerator.num_processes, accelerator.process_index
