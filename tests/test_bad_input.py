@@ -139,3 +139,20 @@ def test_training_refuses_a_missing_data_folder_before_writing_anything(tmp_path
     with pytest.raises(DatasetError):
         train(config)
     assert not (tmp_path / "run").exists()
+
+
+def test_plan_json_exits_1_when_the_answer_does_not_parse(monkeypatch, tmp_path):
+    import json
+
+    from PIL import Image
+
+    from fastddrive.decode.result import DecodeResult
+
+    image = tmp_path / "frame.png"
+    Image.fromarray(np.zeros((224, 448, 3), dtype=np.uint8)).save(image)
+    unparsed = DecodeResult("ss", [1, 2], '{"critical', None, 3, 2, 2, [1], 1.0, 2.0, error="truncated JSON")
+    monkeypatch.setattr(planner_module.Planner, "plan", lambda self, *a, **k: unparsed)
+    result = _run("plan", "--image", image, "--history", HISTORY_JSON, "--command", "go_straight", "--json")
+    assert result.exit_code == 1, result.output
+    printed = result.output[result.output.index('{"decoder"') :].splitlines()[0]  # after any loading bar
+    assert json.loads(printed)["error"] == "truncated JSON"
