@@ -315,3 +315,19 @@ def test_each_section_is_masked_at_the_rate_of_its_own_beta_noise():
     for name in SECTIONS:
         a, b = config.section_noise[name]
         assert abs(np.mean(shares[name]) - a / (a + b)) < 0.04, (name, np.mean(shares[name]), a / (a + b))
+
+
+def test_a_run_whose_every_checkpoint_is_corrupt_starts_over_without_duplicate_log_rows(data, tmp_path):
+    settings = dict(data=data, steps=4, architecture=SMALL, **QUICK)
+    train(load_config("tiny-ar", out=str(tmp_path / "whole"), **settings))
+    config = load_config("tiny-ar", out=str(tmp_path / "run"), **settings)
+    train(config, stop_after=4)
+    for checkpoint in list_checkpoints(tmp_path / "run"):
+        (checkpoint / "optimizer.safetensors").unlink()
+    train(config, resume=True, say=lambda _: None)
+
+    def logged_steps(run):
+        with (tmp_path / run / "log.csv").open() as handle:
+            return [row["step"] for row in csv.DictReader(handle)]
+
+    assert logged_steps("run") == logged_steps("whole")  # the first attempt's rows are gone, none is empty
