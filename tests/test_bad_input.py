@@ -156,3 +156,12 @@ def test_plan_json_exits_1_when_the_answer_does_not_parse(monkeypatch, tmp_path)
     assert result.exit_code == 1, result.output
     printed = result.output[result.output.index('{"decoder"') :].splitlines()[0]  # after any loading bar
     assert json.loads(printed)["error"] == "truncated JSON"
+
+
+def test_the_demo_folder_may_be_new_but_not_inside_a_file(tmp_path):
+    from fastddrive.cli import _check_demo_folder
+
+    _check_demo_folder(tmp_path / "runs" / "demo")  # a fresh checkout has no runs/ yet: made when written
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DatasetError, match="is a file"):
+        _check_demo_folder(tmp_path / "file" / "demo")

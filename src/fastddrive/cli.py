@@ -107,10 +107,9 @@ def _check_outputs(*paths: Path | None) -> None:
 def _check_demo_folder(out: Path) -> None:
     from fastddrive.data.sample import DatasetError
 
-    if out.exists() and not out.is_dir():
-        raise DatasetError(f"--out {out} is a file; the demo writes a folder of pictures")
-    if not out.exists() and not out.parent.is_dir():
-        raise DatasetError(f"cannot write {out}: the folder {out.parent} does not exist")
+    existing = next(folder for folder in (out, *out.parents) if folder.exists())  # what mkdir would build on
+    if not existing.is_dir():
+        raise DatasetError(f"--out {out}: {existing} is a file; the demo writes a folder of pictures")
 
 
 def _finite(value: object) -> object:
@@ -1095,7 +1094,7 @@ def demo_command(
     first = results["ss"][0]
     console.print(f"[bold]ss answer for {timed[0].sample_id}[/] ({timed[0].scenario}, {timed[0].command}):")
     console.print(first.text, highlight=False, soft_wrap=True)
-    out.mkdir(exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "answer.json", first.to_json())
     for k, scene in enumerate(timed):
         plans = {run.label: results[run.label][k] for run in runs}
