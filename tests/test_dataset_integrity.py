@@ -295,11 +295,11 @@ def test_verify_reports_an_unfinished_build_and_refuses_a_non_dataset(tmp_path):
 
 
 def test_converters_manifests_record_their_shards_too(reference, tmp_path):
-    """wod-e2e and nuscenes write their shards, then the manifest (build._write_manifest records them)."""
+    """wod-e2e and nuscenes write their shards, then the manifest (build.write_manifest records them)."""
     root = tmp_path / "converted"
     samples = list(DrivingDataset.open(reference).samples("test"))
     record = write_shard(root / "test" / "a.parquet", samples)
-    build._write_manifest(root, {"source": "test"}, complete=True, counts={})
+    build.write_manifest(root, {"source": "test"}, complete=True, counts={})
     assert _manifest(root)["shards"] == {"test/a.parquet": record}
     assert verify_dataset(root).ok
     damage(root / "test" / "a.parquet", "corrupted")

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fastddrive.data.build import OutputExists, _write_manifest
+from fastddrive.data.build import OutputExists, write_manifest
 from fastddrive.data.highway import episode_samples
 from fastddrive.data.sample import DrivingDataset, DrivingSample, write_shard
 from fastddrive.data.wod_e2e import (
@@ -32,7 +32,7 @@ def dataset(tmp_path_factory) -> Path:
     write_shard(root / "train" / "a.parquet", episode_samples("intersection", 12, max_duration_s=9))
     write_shard(root / "val" / "a.parquet", rated)
     write_shard(root / "test" / "a.parquet", [replace(rated[1], sample_id="highway-11-test")])
-    _write_manifest(root, {"source": "test"}, complete=True, counts={})
+    write_manifest(root, {"source": "test"}, complete=True, counts={})
     return root
 
 

@@ -139,7 +139,7 @@ def _settings(episodes: int, seed: int, scenarios: list[str], rater_splits: tupl
     }
 
 
-def _prepare_output(
+def prepare_output(
     out: Path, settings: dict[str, object], overwrite: bool, refuse_complete: bool = True
 ) -> dict[str, object]:
     """Check (or with `overwrite` clear) the output folder; returns the manifest of the dataset it holds with
@@ -197,7 +197,7 @@ def record_shards(out: Path) -> dict[str, dict[str, object]]:
     return records
 
 
-def _write_manifest(
+def write_manifest(
     out: Path,
     settings: dict[str, object],
     complete: bool,
@@ -305,7 +305,7 @@ def build_dataset(
         raise ValueError(f"unknown split {unknown[0]!r} for raters; known: {', '.join(SPLITS)}")
     jobs = plan_episodes(episodes, seed, scenarios, rater_splits)
     settings = _settings(episodes, seed, scenarios, rater_splits)
-    manifest = _prepare_output(out, settings, overwrite, refuse_complete=False)
+    manifest = prepare_output(out, settings, overwrite, refuse_complete=False)
     planned = {job.shard for job in jobs}
     on_disk = [f"{split}/{p.name}" for split in SPLITS for p in (out / split).glob("*.parquet")]
     stray = sorted(shard for shard in on_disk if shard not in planned)
@@ -327,9 +327,9 @@ def build_dataset(
         if result.error is None and result.record is not None:
             records[result.job.shard] = result.record
             ends[_episode_key(result.job)] = result.end_reason
-            _write_manifest(out, settings, complete=False, counts=counts(), shards=records)
+            write_manifest(out, settings, complete=False, counts=counts(), shards=records)
 
-    _write_manifest(out, settings, complete=False, counts=counts(), shards=records)
+    write_manifest(out, settings, complete=False, counts=counts(), shards=records)
     if on_problem:
         for problem in problems:
             on_problem(problem)
@@ -366,7 +366,7 @@ def build_dataset(
                     note(future.result())
     failed = [r for r in results if r.error is not None]
     complete = not failed and len(records) == len(jobs)
-    _write_manifest(out, settings, complete=complete, counts=counts(), shards=records)
+    write_manifest(out, settings, complete=complete, counts=counts(), shards=records)
     return BuildReport(
         episodes=len(jobs),
         skipped=len(jobs) - len(todo),

@@ -70,7 +70,7 @@ from PIL import Image
 from scipy.spatial.transform import Rotation
 
 from fastddrive.data import labels as rules
-from fastddrive.data.build import OutputExists, _prepare_output, _write_manifest
+from fastddrive.data.build import OutputExists, prepare_output, write_manifest
 from fastddrive.data.sample import (
     FUTURE_STEPS,
     HISTORY_STEPS,
@@ -748,9 +748,9 @@ def convert_nuscenes(
         "ego_size_m": list(ego_size_m),
         "conventions": CONVENTIONS,
     }
-    _prepare_output(out, settings, overwrite)
+    prepare_output(out, settings, overwrite)
     out.mkdir(parents=True, exist_ok=True)
-    _write_manifest(out, settings, complete=False, counts={})
+    write_manifest(out, settings, complete=False, counts={})
     scenes = []
     for record in db.rows["scene"].values():
         try:
@@ -781,7 +781,7 @@ def convert_nuscenes(
         counts[split] += len(samples)
     failures = problems + failures
     totals = {"samples": counts, "skipped": dict(skipped), "failures": len(failures)}
-    _write_manifest(out, settings, complete=not failures, counts=totals)
+    write_manifest(out, settings, complete=not failures, counts=totals)
     return ConvertReport(
         len(scenes), counts, dict(skipped), failures, dict(converter.velocity_rows), time.perf_counter() - start
     )

@@ -61,7 +61,7 @@ from typing import Any, Literal
 import numpy as np
 from PIL import Image
 
-from fastddrive.data.build import RATER_SPLITS, OutputExists, _prepare_output, _write_manifest
+from fastddrive.data.build import RATER_SPLITS, OutputExists, prepare_output, write_manifest
 from fastddrive.data.sample import (
     FUTURE_INTERVAL_S,
     FUTURE_STEPS,
@@ -411,9 +411,9 @@ def convert_wod_e2e(
         "image_root": str(root.resolve()),
         "max_pixels": max_pixels,
     }
-    _prepare_output(out, settings, overwrite=True)  # clears an earlier dataset; refuses any other folder
+    prepare_output(out, settings, overwrite=True)  # clears an earlier dataset; refuses any other folder
     out.mkdir(parents=True, exist_ok=True)
-    _write_manifest(out, settings, complete=False, counts={})
+    write_manifest(out, settings, complete=False, counts={})
 
     pending: dict[tuple[str, str], list[DrivingSample]] = {}
     written: dict[tuple[str, str], int] = {}
@@ -442,7 +442,7 @@ def convert_wod_e2e(
     for key in list(pending):
         flush(key)
     counts = {"samples": samples, "unrated_dropped": unrated, "answers_derived": derived, "failed": len(failures)}
-    _write_manifest(out, settings, complete=not failures, counts=counts)
+    write_manifest(out, settings, complete=not failures, counts=counts)
     return ConversionReport(samples, unrated, derived, failures, time.perf_counter() - start)
 
 
