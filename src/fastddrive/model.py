@@ -336,7 +336,7 @@ class BlockDiffusionModel:
             cache = self.empty_cache(n + room, rope_delta=int(deltas[0]))
         cos, sin = self.text_model.rotary_emb(embeds, self.on_device(positions))
         rope = (cos[0][:, None], _sign_folded(sin[0])[:, None])
-        if self.static is not None and self.static.owns(cache):
+        if self.static is not None:  # its cache, made above
             logits = self.static.prefill(cache, embeds[0], rope)
         else:
             hidden = self.layer_stack(embeds[0], 1, rope, cache.write, None, is_causal=True)

@@ -12,7 +12,10 @@ with the eager path. Ids are the same either way; only summation order differs f
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 from fastddrive.kv_cache import KVCache
 from fastddrive.masks import additive_mask, rows_mask
 
+T = TypeVar("T")
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)  # new tokens per row; a longer forward runs eagerly
 CAPACITY_STEP = 512  # a static cache holds a multiple of this many positions per row (attention reads them all)
 
@@ -39,6 +43,22 @@ class Shape:
     embeds: torch.Tensor | None = None  # (rows, bucket, H)
     cos: torch.Tensor | None = None  # (rows * bucket, 1, head_dim)
     sin: torch.Tensor | None = None
+
+
+def capture_graph(run: Callable[[], T], pool: tuple) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`run` (device ops on static tensors) warmed up on a side stream, then captured: the graph and what the
+    captured call returned (the tensors each replay rewrites)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up outside the graph (allocator, cuBLAS and cuDNN handles, compilation)
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = run()
+    torch.cuda.synchronize()
+    return graph, output
 
 
 def _bucket(n: int) -> int:
@@ -148,19 +168,8 @@ class StaticDecoder:
         return self.shapes[key]
 
     def _capture(self, cache: KVCache, shape: Shape) -> None:
-        import time
-
         began = time.perf_counter()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside the graph (allocator, cuBLAS handles)
-                self._run(cache, shape)
-        torch.cuda.current_stream().wait_stream(stream)
-        shape.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(shape.graph, pool=self.pool):
-            self._run(cache, shape)
-        torch.cuda.synchronize()
+        shape.graph, _ = capture_graph(lambda: self._run(cache, shape), self.pool)
         self.capture_seconds += time.perf_counter() - began
 
     def _run(self, cache: KVCache, shape: Shape) -> None:

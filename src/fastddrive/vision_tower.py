@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fastddrive.static_decode import capture_graph
+
 
 @dataclass(frozen=True)
 class GridLayout:
@@ -154,19 +156,9 @@ class VisionTower:
     def _capture(
         self, layout: GridLayout, pixels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.CUDAGraph]:
-        """The static input, the static output and the graph between them (warmed up, then captured)."""
-
+        """The static input, the static output and the graph between them."""
         began = time.perf_counter()
         static_pixels = pixels.to(self.device)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside the graph (allocator, cuDNN and cuBLAS handles)
-                vision_features(self.visual, static_pixels, layout)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            features = vision_features(self.visual, static_pixels, layout)
-        torch.cuda.synchronize()
+        graph, features = capture_graph(lambda: vision_features(self.visual, static_pixels, layout), self.pool)
         self.capture_seconds += time.perf_counter() - began
         return static_pixels, features, graph
