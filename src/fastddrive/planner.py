@@ -7,7 +7,6 @@ result.response.trajectory, result.nfe, result.decode_ms
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,15 +22,6 @@ from fastddrive.model import BlockDiffusionModel, PromptInputs
 from fastddrive.model_files import check_device, load_model, model_path
 from fastddrive.prompt import chat_text
 from fastddrive.scaffold import DEFAULT_EXPLANATION_BUDGET, Scaffold
-
-
-def _real_numbers(value: Any) -> bool:
-    """Whether `value` is an int or float array, or nested sequences of ints and floats (not bools)."""
-    if isinstance(value, np.ndarray):
-        return value.dtype.kind in "iuf"
-    if isinstance(value, (list, tuple)):
-        return all(_real_numbers(item) for item in value)
-    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 class PlanInputs(BaseModel):
@@ -59,11 +49,8 @@ class PlanInputs(BaseModel):
     @field_validator("history", mode="before")
     @classmethod
     def _history(cls, value: Any) -> np.ndarray:
-        if not _real_numbers(value):  # strings, booleans and complex numbers would be cast silently
-            raise SampleError("history must be 7 rows of 6 real numbers (x, y, vx, vy, ax, ay)")
-        array = np.asarray(value, dtype=float)
-        check_history(array)
-        return array
+        check_history(value)
+        return np.asarray(value, dtype=float)
 
     @field_validator("command")
     @classmethod

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import numbers
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -121,9 +122,24 @@ def check_image(image: Any) -> None:
         raise SampleError(f"image size {w}x{h} px is not a multiple of {IMAGE_UNIT_PX} px in both sides")
 
 
+def _real_numbers(value: Any) -> bool:
+    """Whether `value` is an int or float array, or nested sequences of ints and floats (not bools)."""
+    if isinstance(value, np.ndarray):
+        return value.dtype.kind in "iuf"
+    if isinstance(value, (list, tuple)):
+        return all(_real_numbers(item) for item in value)
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
 def check_history(history: Any) -> None:
-    """Raise SampleError unless `history` is a finite (7, 6) array of x, y, vx, vy, ax, ay."""
-    array = np.asarray(history, dtype=float) if not isinstance(history, np.ndarray) else history
+    """Raise SampleError unless `history` is a finite (7, 6) array of x, y, vx, vy, ax, ay. Strings, booleans and
+    complex numbers are refused rather than cast."""
+    if not _real_numbers(history):
+        raise SampleError("history must be 7 rows of 6 real numbers (x, y, vx, vy, ax, ay)")
+    try:
+        array = np.asarray(history, dtype=float)
+    except ValueError:  # ragged rows
+        raise SampleError("history must be 7 rows of 6 real numbers (x, y, vx, vy, ax, ay)") from None
     if array.shape != (HISTORY_STEPS, len(HISTORY_COLUMNS)):
         raise SampleError(
             f"history must be {HISTORY_STEPS} rows (t = -3.0..0.0 s every 0.5 s) of "
