@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from fastddrive.data.sample import DrivingSample
-from fastddrive.decode.registry import check_options, get_decoder, parse_options
 from fastddrive.decode.result import DecodeResult
 from fastddrive.eval.metrics import waypoint_ade_m
 from fastddrive.planner import Planner
@@ -28,15 +27,6 @@ class DecoderRun:
     planner: Planner
     baseline: bool = False  # the separately trained AR model writing JSON freely
     oracle: bool = False  # draft what the verifier accepts in full (the speed bound at perfect acceptance)
-
-
-def parse_decoder_spec(spec: str) -> tuple[str, dict[str, object]]:
-    """'sd' or 'sd:tau=0.0:block_size=16' -> ('sd', {'tau': 0.0, 'block_size': 16}); checked."""
-    name, *pairs = spec.split(":")
-    get_decoder(name)
-    options = parse_options(pairs)
-    check_options(name, options)
-    return name, options
 
 
 @dataclass
