@@ -40,8 +40,6 @@ def user_errors() -> Iterator[None]:
     """Known bad input becomes one clear line on stderr and exit status 2, not a traceback."""
     from fastddrive.data.build import OutputExists
     from fastddrive.data.highway import UnknownScenario
-    from fastddrive.data.nuscenes import NuScenesError
-    from fastddrive.data.nuscenes import RecordError as NuScenesRecordError
     from fastddrive.data.sample import DatasetError, SampleError
     from fastddrive.decode.planning_vocabulary import PlanningVocabularyError
     from fastddrive.decode.registry import DecoderError
@@ -56,8 +54,6 @@ def user_errors() -> Iterator[None]:
     known = (
         OutputExists,
         UnknownScenario,
-        NuScenesError,
-        NuScenesRecordError,
         DatasetError,
         SampleError,
         ResponseError,

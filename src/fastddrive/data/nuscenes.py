@@ -77,6 +77,7 @@ from fastddrive.data.sample import (
     IMAGE_UNIT_PX,
     SPLITS,
     CameraView,
+    DatasetError,
     DrivingDataset,
     DrivingSample,
     write_shard,
@@ -154,7 +155,7 @@ EXPORT_TABLES = (
 )
 
 
-class NuScenesError(ValueError):
+class NuScenesError(DatasetError):
     """A nuScenes folder that cannot be read at all: a table missing or not a JSON list."""
 
 
