@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -74,7 +73,7 @@ def user_errors() -> Iterator[None]:
         raise typer.Exit(2) from None
 
 
-def _progress() -> Progress:
+def _progress(disable: bool = False) -> Progress:
     return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -84,43 +83,14 @@ def _progress() -> Progress:
         TextColumn("ETA"),
         TimeRemainingColumn(),
         console=console,
+        disable=disable,
     )
 
 
-def _check_outputs(*paths: Path | None) -> None:
-    """Refuse, before any work, an output file whose folder does not exist or that is a folder."""
-    from fastddrive.data.sample import DatasetError
-
-    for path in paths:
-        if path is None:
-            continue
-        if path.is_dir():
-            raise DatasetError(f"{path} is a folder; give a file name")
-        if not path.parent.is_dir():
-            raise DatasetError(f"cannot write {path}: the folder {path.parent} does not exist")
-
-
 def _check_demo_folder(out: Path) -> None:
-    from fastddrive.data.sample import DatasetError
+    from fastddrive.outputs import check_demo_folder
 
-    existing = next(folder for folder in (out, *out.parents) if folder.exists())  # what mkdir would build on
-    if not existing.is_dir():
-        raise DatasetError(f"--out {out}: {existing} is a file; the demo writes a folder of pictures")
-
-
-def _finite(value: object) -> object:
-    """NaN and infinities as null, so that the JSON written is JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
-def _write_json(path: Path, payload: object) -> None:
-    path.write_text(json.dumps(_finite(payload), indent=2, allow_nan=False))
+    check_demo_folder(out)
 
 
 @data_app.command("highway")
@@ -194,14 +164,15 @@ def data_verify(
 ) -> None:
     """Every shard of a data set against its manifest: ok, missing, damaged or unrecorded (exit 1 if any)."""
     from fastddrive.data.verify import verify_dataset
+    from fastddrive.outputs import check_outputs, write_json
 
     with user_errors():
-        _check_outputs(json_out)
+        check_outputs(json_out)
         report = verify_dataset(path, checksums=not quick)
     for line in report.lines():
         console.print(line, markup=False, highlight=False)
     if json_out is not None:
-        _write_json(json_out, report.to_dict())
+        write_json(json_out, report.to_dict())
     if not report.ok:
         raise typer.Exit(1)
 
@@ -320,36 +291,18 @@ def data_show(
     """Print one sample's target JSON; optionally draw it."""
     from fastddrive.data.sample import DrivingDataset
     from fastddrive.eval.plots import draw_scene
+    from fastddrive.outputs import check_outputs
     from fastddrive.prompt import user_text
     from fastddrive.schema import render
 
     with user_errors():
-        _check_outputs(png)
+        check_outputs(png)
         sample = DrivingDataset.open(path).sample(split, index)
     console.print(f"[bold]{sample.sample_id}[/]  scenario={sample.scenario}  t={sample.time_s:.2f} s", highlight=False)
     console.print(user_text(sample.command, sample.history), highlight=False)
     console.print_json(render(sample.response))
     if png is not None:
         console.print(f"wrote {draw_scene(sample, png)}")
-
-
-def _count_table(title: str, counts: Counter, total: int) -> Table:
-    table = Table(title=title)
-    table.add_column("value")
-    table.add_column("samples", justify="right")
-    table.add_column("share", justify="right")
-    for value, n in counts.most_common():
-        table.add_row(str(value), str(n), f"{100 * n / total:.1f}%")
-    return table
-
-
-def _scaffold_table(scaffold: object) -> Table:
-    table = Table(title="Response scaffold (paper 000 Table 1)")
-    for column in ("section", "positions", "scaffold", "values", "value share"):
-        table.add_column(column, justify="left" if column == "section" else "right")
-    for row in scaffold.table():
-        table.add_row(row.section, str(row.positions), str(row.scaffold), str(row.values), f"{row.value_share:.1%}")
-    return table
 
 
 @data_app.command("stats")
@@ -363,74 +316,28 @@ def data_stats(
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the figures as JSON.")] = None,
 ) -> None:
     """Counts per scenario, meta-behaviour distribution, explanation truncations, the scaffold table."""
-    from fastddrive.data.sample import SPLITS, DrivingDataset
+    from fastddrive.data.sample import DrivingDataset
+    from fastddrive.data.stats import dataset_stats
+    from fastddrive.outputs import check_outputs, write_json
     from fastddrive.scaffold import DEFAULT_EXPLANATION_BUDGET, Scaffold
-    from fastddrive.schema import parse
     from fastddrive.tokenizer import default_tokenizer_path, load_tokenizer
 
     with user_errors():
-        _check_outputs(json_out)
+        check_outputs(json_out)
         dataset = DrivingDataset.open(path)
         scaffold = Scaffold(
             load_tokenizer(tokenizer or default_tokenizer_path()),
             explanation_budget=explanation_budget or DEFAULT_EXPLANATION_BUDGET,
             scaffold_tokenization=scaffold_tokenization,
         )
-        per_split = {s: dataset.table(s, columns=["scenario", "command", "response"]).to_pylist() for s in SPLITS}
-    rows = [row for split in SPLITS for row in per_split[split]]
-    if not rows:
+        stats = dataset_stats(dataset, scaffold)
+    if not stats.samples:
         console.print(f"{path} holds no samples")
         raise typer.Exit(1)
-    responses = [parse(r["response"]) for r in rows]
-    episodes = dataset.manifest.get("settings", {}).get("episodes")
-    scenarios = Table(title="Samples per scenario" + (f" ({episodes} episodes)" if episodes else ""))
-    scenarios.add_column("scenario")
-    for split in SPLITS:
-        scenarios.add_column(split, justify="right")
-    by_split = {s: Counter(r["scenario"] for r in per_split[s]) for s in SPLITS}
-    for name in sorted({r["scenario"] for r in rows}):
-        scenarios.add_row(name, *(str(by_split[s][name]) for s in SPLITS))
-    scenarios.add_row("all", *(str(len(per_split[s])) for s in SPLITS))
-    console.print(scenarios)
-    ends = Counter((key.split("-", 1)[1], reason) for key, reason in dataset.manifest.get("end_reasons", {}).items())
-    if ends:
-        endings = ", ".join(f"{scenario} {reason} {n}" for (scenario, reason), n in sorted(ends.items()))
-        console.print(f"episode endings (the expert's crashes are cut 5 s before): {endings}")
-
-    longitudinal = Counter(r.future_meta_behavior.longitudinal for r in responses)
-    lateral = Counter(r.future_meta_behavior.lateral for r in responses)
-    commands = Counter(r["command"] for r in rows)
-    objects = Counter(name for r in responses for name, flag in r.critical_objects.items() if flag)
-    console.print(_count_table("Longitudinal meta-behaviour", longitudinal, len(rows)))
-    console.print(_count_table("Lateral meta-behaviour", lateral, len(rows)))
-    console.print(_count_table("Navigation command", commands, len(rows)))
-    console.print(_count_table("Critical objects marked yes", objects, len(rows)))
-
-    encoded = [scaffold.encode(r) for r in responses]
-    truncated = sum(e.truncated for e in encoded)
-    slot = next(s for s in scaffold.slots if s.name == "explanation")
-    lengths = sorted(sum(t != scaffold.null_id for t in e.ids[slot.start : slot.end]) for e in encoded)
-    console.print(
-        f"explanations cut to fit the {scaffold.explanation_budget}-token budget: {truncated} of {len(rows)} "
-        f"({100 * truncated / len(rows):.2f}%); explanation tokens median {lengths[len(lengths) // 2]}, "
-        f"max {lengths[-1]}"
-    )
-    console.print(_scaffold_table(scaffold))
+    for renderable in stats.renderables():
+        console.print(renderable)
     if json_out is not None:
-        figures = {
-            "samples": {s: len(per_split[s]) for s in SPLITS},
-            "scenarios": {s: dict(by_split[s]) for s in SPLITS},
-            "longitudinal": dict(longitudinal),
-            "lateral": dict(lateral),
-            "commands": dict(commands),
-            "critical_objects": dict(objects),
-            "explanations_truncated": truncated,
-            "scaffold": [
-                {"section": r.section, "positions": r.positions, "scaffold": r.scaffold, "values": r.values}
-                for r in scaffold.table()
-            ],
-        }
-        _write_json(json_out, figures)
+        write_json(json_out, stats.to_json())
         console.print(f"wrote {json_out}")
 
 
@@ -470,6 +377,7 @@ def tokenizer_table(
     ] = "pieces",
 ) -> None:
     """Print the scaffold table (paper 000 Table 1) and the slot budgets for a tokenizer."""
+    from fastddrive.data.stats import scaffold_table
     from fastddrive.scaffold import DEFAULT_EXPLANATION_BUDGET, Scaffold
     from fastddrive.tokenizer import add_diffusion_tokens, default_tokenizer_path, load_tokenizer
 
@@ -483,7 +391,7 @@ def tokenizer_table(
         )
     if ids.added:
         console.print(f"added {', '.join(ids.added)} (ids {ids.mask_id}, {ids.null_id}) to this tokenizer")
-    console.print(_scaffold_table(scaffold))
+    console.print(scaffold_table(scaffold))
     budgets = Counter((_slot_kind(s.name), s.budget) for s in scaffold.slots)
     console.print(
         "slot budgets: " + ", ".join(f"{name} {budget} x{n}" for (name, budget), n in sorted(budgets.items()))
@@ -652,118 +560,54 @@ def eval_command(
     device: Annotated[str, typer.Option(help="cpu, cuda, ...")] = "cpu",
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the figures as JSON.")] = None,
 ) -> None:
-    """Accuracy per decoder on a split: ADE@3s/5s (and constant velocity), RFS, L2, collisions, CO-F1, meta."""
-    import dataclasses
-    from itertools import islice
+    """Accuracy per decoder on a split: ADE@3s/5s (and constant velocity), RFS, L2, collisions, CO-F1, meta.
 
+    Data parallel under `accelerate launch --num_processes N -m fastddrive.cli eval ...`: each process answers
+    a share of the split, and the main process prints the same table as one process."""
     import fastddrive
     from fastddrive.data.sample import DatasetError, DrivingDataset
     from fastddrive.decode.registry import parse_decoder_spec, split_decoders
-    from fastddrive.eval.accuracy import evaluate
+    from fastddrive.eval.accuracy import evaluate_split
+    from fastddrive.eval.parallel import device_of_process, is_main_process
+    from fastddrive.eval.report import accuracy_json, accuracy_table, scenario_table
+    from fastddrive.outputs import check_outputs, write_json
 
     with user_errors():
-        _check_outputs(json_out)
+        check_outputs(json_out)
         specs = split_decoders(decoders)
-        parsed = [parse_decoder_spec(spec) for spec in specs]
+        parsed = dict(zip(specs, (parse_decoder_spec(spec) for spec in specs), strict=True))
         dataset = DrivingDataset.open(data)
         total = len(dataset.table(split, columns=["sample_id"]))
         if total == 0:
             raise DatasetError(f"{data} has no {split} samples: nothing to evaluate")
-        planner = fastddrive.load(model, device=device)
+        planner = fastddrive.load(model, device=device_of_process(device))
     n = min(total, limit) if limit else total
-    reports = {}
-    with _progress() as progress:
-        for spec, (name, options) in zip(specs, parsed, strict=True):
-            task = progress.add_task(f"{spec} on {split}", total=n, note="")
-            with user_errors():
-                reports[spec] = evaluate(
-                    planner.model,
-                    islice(dataset.samples(split), n),
-                    name,
-                    options,
-                    on_sample=lambda task=task: progress.update(task, advance=1),
-                )
-    table = Table(
-        title=f"{model} on {data} [{split}], {n} samples; official conventions (an invalid answer is a zero "
-        "trajectory; rated frames only where there are raters; collisions rasterised as ST-P3/VAD), "
-        "'parsed': over the answers that parse"
-    )
-    columns = ("decoder", "scored", "ADE@3s", "ADE@5s", "ADE@5s parsed", "RFS", "RFS parsed")
-    columns += ("L2 avg ST-P3", "L2 avg UniAD", "coll. avg ST-P3 (raster)", "coll. avg ST-P3 (box)")
-    for column in (*columns, "CO-F1", "lon acc", "lat acc", "invalid", "valid"):
-        table.add_column(column, justify="left" if column == "decoder" else "right")
-    first = next(iter(reports.values()))
-    cv = ("constant velocity", str(first.scored), f"{first.cv_ade3_m:.3f}", f"{first.cv_ade5_m:.3f}")
-    table.add_row(*cv, *[""] * (len(columns) + 5 - len(cv)))
+    main = is_main_process()
+    with _progress(disable=not main) as progress, user_errors():
 
-    def percent(collision: dict | None) -> str:
-        return f"{collision['stp3']['avg']:.2%}" if collision else ""
+        def on_decoder(spec: str, samples: int):
+            task = progress.add_task(f"{spec} on {split}", total=samples, note="")
+            return lambda: progress.update(task, advance=1)
 
-    for spec, r in reports.items():
-        table.add_row(
-            spec,
-            str(r.scored),
-            f"{r.ade3_m:.3f}",
-            f"{r.ade5_m:.3f}",
-            "" if r.ade5_parsed_m is None else f"{r.ade5_parsed_m:.3f}",
-            "" if r.rfs is None else f"{r.rfs:.2f}",
-            "" if r.rfs_parsed is None else f"{r.rfs_parsed:.2f}",
-            f"{r.l2_m['stp3']['avg']:.3f}" if r.l2_m else "",
-            f"{r.l2_m['uniad']['avg']:.3f}" if r.l2_m else "",
-            percent(r.collision),
-            percent(r.collision_box),
-            f"{r.critical_object_f1:.3f}",
-            f"{r.longitudinal_accuracy:.3f}",
-            f"{r.lateral_accuracy:.3f}",
-            str(r.invalid),
-            f"{r.validity:.1%}",
+        reports = evaluate_split(planner, dataset, split, parsed, n, on_decoder)
+    if not main:
+        return
+    console.print(
+        accuracy_table(
+            reports,
+            f"{model} on {data} [{split}], {n} samples; official conventions (an invalid answer is a zero "
+            "trajectory; rated frames only where there are raters; collisions rasterised as ST-P3/VAD), "
+            "'parsed': over the answers that parse",
         )
-    console.print(table)
+    )
     for spec, r in reports.items():
         for failure in r.failures:
             Console(stderr=True).print(f"[bold red]{spec} failed on[/] {failure}", highlight=False)
-    scenarios = Table(title="ADE@5s per scenario (m), official: invalid answers as zero trajectories, scored frames")
-    for column in ("scenario", "samples", *reports, "constant velocity"):
-        scenarios.add_column(column, justify="left" if column == "scenario" else "right")
-    per_scenario = {spec: r.by_scenario() for spec, r in reports.items()}
-    for name, row in first.by_scenario().items():
-        cells = [f"{per_scenario[spec][name]['ade5_m']:.3f}" for spec in reports]
-        scenarios.add_row(name, str(row["samples"]), *cells, f"{row['cv_ade5_m']:.3f}")
-    console.print(scenarios)
+    console.print(scenario_table(reports))
     if json_out is not None:
-        payload = {
-            spec: dataclasses.asdict(r) | {"validity": r.validity, "by_scenario": r.by_scenario()}
-            for spec, r in reports.items()
-        }
         json_out.parent.mkdir(parents=True, exist_ok=True)
-        _write_json(json_out, {"model": model, "split": split, "decoders": payload})
+        write_json(json_out, {"model": model, "split": split, "decoders": accuracy_json(reports)})
         console.print(f"wrote {json_out}")
-
-
-def _read_image(path: Path):
-    import numpy as np
-    from PIL import Image, UnidentifiedImageError
-
-    from fastddrive.data.sample import SampleError
-
-    try:
-        with Image.open(path) as image:
-            return np.asarray(image.convert("RGB"))
-    except (OSError, UnidentifiedImageError) as err:
-        raise SampleError(f"cannot read image {path}: {err}") from None
-
-
-def _read_history(text: str):
-    from fastddrive.data.sample import SampleError
-
-    source = Path(text)
-    if source.suffix == ".json" and not source.is_file():
-        raise SampleError(f"--history file {source} does not exist")
-    raw = source.read_text() if source.suffix == ".json" else text
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError as err:
-        raise SampleError(f"--history is not valid JSON ({err}); give 7 rows of [x, y, vx, vy, ax, ay]") from None
 
 
 @app.command("plan")
@@ -791,6 +635,8 @@ def plan_command(
     import fastddrive
     from fastddrive.data.sample import DrivingDataset, SampleError
     from fastddrive.decode.registry import parse_options
+    from fastddrive.inputs import read_history, read_image
+    from fastddrive.outputs import finite
 
     with user_errors():
         options = parse_options(option or [], decoder)
@@ -802,7 +648,7 @@ def plan_command(
             if history is None or command is None:
                 raise SampleError("without --data, --history and --command are required (and --image for a VLM)")
             scene = fastddrive.PlanInputs.checked(
-                images=[_read_image(p) for p in image or []], history=_read_history(history), command=command
+                images=[read_image(p) for p in image or []], history=read_history(history), command=command
             )
         from fastddrive.eval.roofline import parse_dtype
 
@@ -811,7 +657,7 @@ def plan_command(
             raise SampleError("this model reads images: give --image")
         result = planner.plan(scene, decoder, **options)
     if as_json:
-        print(json.dumps(_finite(result.to_json()), allow_nan=False))
+        print(json.dumps(finite(result.to_json()), allow_nan=False))
         if result.response is None:  # the JSON says why (its "error"); the status says it failed
             raise typer.Exit(1)
         return
@@ -872,16 +718,22 @@ def bench_command(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the rows as JSON.")] = None,
     png: Annotated[Path | None, typer.Option(help="Write the speed-accuracy frontier as PNG.")] = None,
 ) -> None:
-    """Every decoder on the same scenes in one process: NFE, tokens/NFE, tokens/s, latency, speed-up, ADE."""
+    """Every decoder on the same scenes in one process: NFE, tokens/NFE, tokens/s, latency, speed-up, ADE.
+
+    Data parallel under `accelerate launch --num_processes N -m fastddrive.cli bench --data ...`: the timed
+    scenes are shared among the processes, and the main process prints the table."""
     import torch
 
     import fastddrive
     from fastddrive.decode.registry import DECODERS, parse_decoder_spec, split_decoders
-    from fastddrive.eval.bench import DecoderRun
+    from fastddrive.eval.bench import DecoderRun, bench_scenes
+    from fastddrive.eval.parallel import device_of_process, is_main_process
     from fastddrive.eval.plots import draw_frontier
+    from fastddrive.outputs import check_outputs, write_json
 
+    device = device_of_process(device)
     with user_errors():
-        _check_outputs(json_out, png)
+        check_outputs(json_out, png)
         specs = list(DECODERS) if decoders == "all" else split_decoders(decoders)
         parsed = [parse_decoder_spec(spec) for spec in specs]
         from fastddrive.eval.roofline import parse_dtype
@@ -909,12 +761,14 @@ def bench_command(
                 baseline=True,
             )
             runs.insert(0, free)
-        chosen = _bench_scenes(data, split, seed, (samples if data else scenes) + 1)
+        chosen = bench_scenes(data, split, seed, (samples if data else scenes) + 1)
     rows, _ = _run_bench(runs, chosen, f"{model}: {len(chosen) - 1} scenes, medians ({device})")
+    if not is_main_process():
+        return
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         payload = {"model": model, "device": device, "rows": [r.to_json() for r in rows]}
-        _write_json(json_out, payload)
+        write_json(json_out, payload)
         console.print(f"wrote {json_out}")
     if png is not None:
         draw_frontier([r.to_json() for r in rows], png, title=f"{model}, {len(chosen) - 1} scenes, {device}")
@@ -922,60 +776,19 @@ def bench_command(
 
 
 def _run_bench(runs: list, scenes: list, title: str) -> tuple[list, dict]:
-    """Run the decoders with a progress bar and print the table; (rows, per-scene results)."""
-    from fastddrive.eval.bench import run_decoders, summarise
+    """Run the decoders with a progress bar and print the table (on the main process); (rows, per-scene results)."""
+    from fastddrive.eval.bench import run_bench
+    from fastddrive.eval.parallel import is_main_process, share
+    from fastddrive.eval.report import bench_table
 
-    with _progress() as progress:
-        task = progress.add_task("decoding", total=len(runs) * (len(scenes) - 1), note=f"{len(runs)} decoders")
-        results = run_decoders(runs, scenes, warmup=1, on_result=lambda: progress.update(task, advance=1))
-    rows = summarise(runs, scenes[1:], results)
-    table = Table(title=title)
-    columns = ("decoder", "NFE", "tok/NFE", "fed/fwd", "tok/s", "ms", "p90 ms", "prefill", "decode", "vs ar")
-    columns = (*columns, "vs ar-jump")
-    columns = (*columns, "vs AR model", "ADE@5s")
-    for column in (*columns, "invalid", "same ids as ar"):
-        table.add_column(column, justify="left" if column == "decoder" else "right")
-    for row in rows:
-        table.add_row(
-            row.label,
-            f"{row.nfe:.0f}",
-            f"{row.tokens_per_nfe:.2f}",
-            f"{row.fed_per_forward:.1f}",
-            f"{row.tokens_per_s:.0f}",
-            f"{row.latency_ms:.1f}",
-            f"{row.p90_latency_ms:.1f}",
-            f"{row.prefill_ms:.1f}",
-            f"{row.decode_ms:.1f}",
-            *(
-                "" if x is None else f"{x:.2f}x"
-                for x in (row.speedup_vs_ar, row.speedup_vs_ar_jump, row.speedup_vs_baseline)
-            ),
-            "" if row.ade5 is None else f"{row.ade5:.3f}",
-            str(row.invalid),
-            "" if row.identical_to_ar is None else f"{row.identical_to_ar:.0%}",
-        )
-    console.print(table)
+    main = is_main_process()
+    with _progress(disable=not main) as progress:
+        total = len(runs) * len(share(scenes[1:]))  # this process's share of the timed scenes
+        task = progress.add_task("decoding", total=total, note=f"{len(runs)} decoders")
+        rows, results = run_bench(runs, scenes, on_result=lambda: progress.update(task, advance=1))
+    if main:
+        console.print(bench_table(rows, title))
     return rows, results
-
-
-def _bench_scenes(data: Path | None, split: str, seed: int, needed: int) -> list:
-    """`needed` scenes (the first warms up): from a dataset split, or fresh seeded simulator episodes."""
-    from itertools import cycle, islice
-
-    from fastddrive.data.highway import SCENARIOS, episode_samples
-    from fastddrive.data.sample import DrivingDataset, SampleError
-
-    if data is not None:
-        chosen = list(islice(DrivingDataset.open(data).samples(split), needed))
-    else:
-        chosen = []  # one scene per episode (its first, at t = 3 s), cycling the scenario types
-        for k, name in zip(range(needed * 3), cycle(SCENARIOS)):
-            chosen += episode_samples(name, seed * 100_000 + k, max_duration_s=9)[:1]
-            if len(chosen) >= needed:
-                break
-    if len(chosen) < 2:
-        raise SampleError("the benchmark needs at least 2 scenes (one is the warm-up)")
-    return chosen
 
 
 @app.command("roofline")
@@ -1012,10 +825,11 @@ def roofline_command(
     from fastddrive.eval.plots import draw_roofline
     from fastddrive.eval.roofline import DEFAULT_TOKENS, RooflineError, measure_roofline, parse_dtype, parse_tokens
     from fastddrive.model_files import load_model, model_path
+    from fastddrive.outputs import check_outputs, write_json
     from fastddrive.random_init import random_init_model
 
     with user_errors():
-        _check_outputs(json_out, png)
+        check_outputs(json_out, png)
         if model is not None and random_init is not None:
             raise RooflineError("give --model or --random-init, not both")
         counts = parse_tokens(tokens) if tokens else list(DEFAULT_TOKENS)
@@ -1059,7 +873,7 @@ def roofline_command(
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         payload = {"model": None if random_init else name, "random_init": random_init} | result.to_json()
-        _write_json(json_out, payload)
+        write_json(json_out, payload)
         console.print(f"wrote {json_out}")
     if png is not None:
         title = f"{name}, {result.device}, {result.dtype}, prompt {result.prompt_tokens} tokens"
@@ -1076,28 +890,109 @@ def demo_command(
 ) -> None:
     """The tour: fresh simulator scenes planned by ar, ar-jump, sd, ss and tts; a table, an answer, pictures."""
     import fastddrive
-    from fastddrive.eval.bench import DecoderRun
-    from fastddrive.eval.plots import draw_frontier, draw_scene
+    from fastddrive.demo import demo_runs, write_demo
+    from fastddrive.eval.bench import bench_scenes
 
     with user_errors():
         _check_demo_folder(out)
         console.print(f"simulating {scenes + 1} fresh scenes (seed {seed}) and loading {model} ...")
-        chosen = _bench_scenes(None, "test", seed, scenes + 1)
+        chosen = bench_scenes(None, "test", seed, scenes + 1)
         planner = fastddrive.load(model)
-    runs = [DecoderRun(name, name, {}, planner) for name in ("ar", "ar-jump", "sd", "ss", "tts")]
+    runs = demo_runs(planner)
     rows, results = _run_bench(runs, chosen, f"{model} on {scenes} fresh scenes, medians (CPU)")
     timed = chosen[1:]
-    first = results["ss"][0]
     console.print(f"[bold]ss answer for {timed[0].sample_id}[/] ({timed[0].scenario}, {timed[0].command}):")
-    console.print(first.text, highlight=False, soft_wrap=True)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / "answer.json", first.to_json())
-    for k, scene in enumerate(timed):
-        plans = {run.label: results[run.label][k] for run in runs}
-        drawn = {label: r.response.trajectory for label, r in plans.items() if r.response is not None}
-        draw_scene(scene, out / f"scene-{k}-{scene.scenario}.png", drawn)
-    draw_frontier([r.to_json() for r in rows], out / "frontier.png", title=f"{model}, {scenes} scenes, CPU")
+    console.print(results["ss"][0].text, highlight=False, soft_wrap=True)
+    write_demo(out, f"{model}, {scenes} scenes, CPU", runs, timed, rows, results)
     console.print(f"wrote {len(timed)} scene pictures, frontier.png and answer.json to {out}")
+
+
+@app.command("serve")
+def serve_command(
+    model: Annotated[
+        str, typer.Option(help="'default', 'default-ar', 'default-jf' or a local model folder.")
+    ] = "default",
+    decoder: Annotated[str, typer.Option(help="The decoder of requests that name none.")] = "ss",
+    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:1, ...")] = "cpu",
+    dtype: Annotated[
+        str | None, typer.Option(help="float32, bfloat16 or float16 (default: bfloat16 on a GPU).")
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on.")] = 8000,
+    max_queue: Annotated[int, typer.Option(min=1, help="Requests that may wait; more are answered 503.")] = 32,
+    timeout_s: Annotated[float, typer.Option(min=0.001, help="A request unanswered after this is a 504.")] = 10.0,
+    data: Annotated[Path | None, typer.Option(help="A dataset folder whose scenes the page offers.")] = None,
+) -> None:
+    """Serve the planner over HTTP: POST /v1/plan, the page at /, /docs, /healthz, /readyz, /metrics.
+
+    One worker owns the model; SIGTERM stops accepting, finishes the requests in flight and exits 0."""
+    import fastddrive
+    from fastddrive.decode.registry import get_decoder
+    from fastddrive.eval.roofline import parse_dtype
+    from fastddrive.model_files import check_device, model_path
+    from fastddrive.serve.app import create_app, run
+
+    with user_errors():
+        get_decoder(decoder)
+        model_path(model)
+        check_device(device)
+        weights = parse_dtype(dtype) if dtype else None
+        service = create_app(
+            lambda: fastddrive.load(model, device=device, dtype=weights), decoder, max_queue, timeout_s, data
+        )
+    run(service, host, port, grace_s=timeout_s + 5)
+
+
+@app.command("serve-bench")
+def serve_bench_command(
+    model: Annotated[str, typer.Option(help="'default' or a local model folder.")] = "default",
+    decoders: Annotated[str, typer.Option(help="Comma-separated decoders.")] = "ss,ar",
+    clients: Annotated[str, typer.Option(help="Comma-separated numbers of concurrent clients.")] = "1,4,16",
+    requests: Annotated[int, typer.Option(min=2, help="Requests per decoder and number of clients.")] = 32,
+    scenes: Annotated[int, typer.Option(min=1, help="Fresh simulator scenes the requests cycle through.")] = 8,
+    seed: Annotated[int, typer.Option(help="Seed of the fresh scenes.")] = 7,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the rows as JSON.")] = None,
+) -> None:
+    """The service under load (`fastddrive serve` on loopback) against `planner.plan` called directly:
+    throughput, p50/p99 latency, and the overhead per request (medians): the service's own (JSON, validation,
+    image decoding, hand-over to the model worker) and as a client sees it (its HTTP stack and loopback too)."""
+    import fastddrive
+    from fastddrive.decode.registry import get_decoder, split_decoders
+    from fastddrive.eval.bench import bench_scenes
+    from fastddrive.outputs import check_outputs, write_json
+    from fastddrive.serve.loadtest import serve_bench
+
+    with user_errors():
+        check_outputs(json_out)
+        names = split_decoders(decoders)
+        for name in names:
+            get_decoder(name)
+        counts = [int(n) for n in clients.split(",")]
+        chosen = bench_scenes(None, "test", seed, max(scenes, 2))
+        planner = fastddrive.load(model)
+    rows = serve_bench(model, planner, chosen, names, counts, requests)
+    table = Table(title=f"{model}: {requests} requests over {len(chosen)} scenes per row (CPU)")
+    columns = ("decoder", "target", "clients", "answered", "503", "other", "plans/s", "p50 ms", "p99 ms")
+    for column in (*columns, "overhead ms", "client-seen ms"):
+        table.add_column(column, justify="left" if column in ("decoder", "target") else "right")
+    for row in sorted(rows, key=lambda r: (r.decoder, r.target == "service", r.clients)):
+        overheads = ("" if ms is None else f"{ms:.2f}" for ms in (row.overhead_ms, row.client_overhead_ms))
+        table.add_row(
+            row.decoder,
+            row.target,
+            str(row.clients),
+            str(row.answered),
+            str(row.refused),
+            str(row.failed),
+            f"{row.throughput:.2f}",
+            f"{row.p50_ms:.1f}",
+            f"{row.p99_ms:.1f}",
+            *overheads,
+        )
+    console.print(table)
+    if json_out is not None:
+        write_json(json_out, {"model": model, "rows": [r.to_json() for r in rows]})
+        console.print(f"wrote {json_out}")
 
 
 def main() -> None:

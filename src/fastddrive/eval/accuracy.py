@@ -7,17 +7,20 @@ zero trajectory and counted, and ADE / RFS over the rated frames only where the 
 truth keeps only frames with rater scores). nuScenes L2 and collisions on the plan resampled at 2 Hz
 (t = 0.5..3 s), collisions the ST-P3 / VAD raster way and with the exact rotated-box test. A sample whose
 decoding raises is reported in `failures`, left out of every figure, and the others complete.
+`evaluate_split` shares a split among the processes of `accelerate launch` and merges their samples' outcomes
+before any figure is computed, so the figures are those of one process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 import numpy as np
 
-from fastddrive.data.sample import FUTURE_STEPS, DrivingSample
+from fastddrive.data.sample import FUTURE_STEPS, DrivingDataset, DrivingSample
 from fastddrive.decode.registry import DecoderError, decode
 from fastddrive.eval.jmt import jmt_upsample
 from fastddrive.eval.metrics import (
@@ -31,6 +34,7 @@ from fastddrive.eval.metrics import (
     plan_collisions,
     rater_feedback_score,
 )
+from fastddrive.eval.parallel import gather, share
 from fastddrive.model import BlockDiffusionModel
 from fastddrive.planner import Planner, prompt_inputs
 from fastddrive.scaffold import Scaffold
@@ -145,48 +149,59 @@ def _mean(values: list[float]) -> float:
     return float(np.mean(values)) if values else float("nan")
 
 
-def evaluate(
-    model: BlockDiffusionModel,
+@dataclass
+class SampleOutcome:
+    """One sample answered: its per-sample row, and what the split's figures need (None where it failed)."""
+
+    row: dict[str, object]
+    response: DrivingResponse | None = None
+    truth: DrivingResponse | None = None
+    scores: dict[str, Any] | None = None
+    failure: str | None = None
+
+
+def answer_samples(
+    planner: Planner,
     samples: Iterable[DrivingSample],
     decoder: str = "ar",
     options: dict[str, Any] | None = None,
     on_sample: Callable[[], None] | None = None,
-) -> AccuracyReport:
-    """Answer every sample with `decoder` and score the answers in the official conventions (module doc)."""
-    planner = Planner(model)
-    predicted: list[DrivingResponse] = []
-    truth: list[DrivingResponse] = []
-    failures: list[str] = []
-    rows: list[dict[str, object]] = []
-    scores: list[dict[str, Any]] = []  # per sample that decoded, aligned with `decoded`
-    decoded: list[dict[str, object]] = []
+) -> list[SampleOutcome]:
+    """Answer every sample with `decoder` and score each answer on its own (a failed decode is reported)."""
+    outcomes = []
     for sample in samples:
         constant = constant_velocity_m(sample.history)
         row: dict[str, object] = {"sample_id": sample.sample_id, "scenario": sample.scenario, "valid": None}
         row |= {"rated": bool(len(sample.rater_scores)), "scored": False, "ade3_m": None, "ade5_m": None}
         row |= {"cv_ade3_m": ade_m(constant, sample.future, STEPS_3S), "cv_ade5_m": ade_m(constant, sample.future)}
-        rows.append(row)
         try:
             response = planner.plan(sample, decoder, **(options or {})).response
         except DecoderError:
             raise  # a wrong decoder or option fails every sample alike
         except Exception as err:  # one failed sample is reported; the rest completes
-            failures.append(f"{sample.sample_id}: {type(err).__name__}: {err}")
             row["error"] = str(err)
+            outcomes.append(SampleOutcome(row, failure=f"{sample.sample_id}: {type(err).__name__}: {err}"))
             continue
         finally:
             if on_sample:
                 on_sample()
         row["valid"] = response is not None
-        if response is not None:
-            predicted.append(response)
-            truth.append(sample.response)
         dense = jmt_upsample(np.asarray(response.trajectory)) if response else np.zeros((FUTURE_STEPS, 2))
-        scores.append(_score(dense, sample))
-        decoded.append(row)
-        row |= {k: v for k, v in scores[-1].items() if k in ("ade3_m", "ade5_m", "rfs")}
+        scores = _score(dense, sample)
+        row |= {k: v for k, v in scores.items() if k in ("ade3_m", "ade5_m", "rfs")}
+        outcomes.append(SampleOutcome(row, response, sample.response, scores))
+    return outcomes
+
+
+def summarise(decoder: str, outcomes: list[SampleOutcome]) -> AccuracyReport:
+    """The split's figures from its samples' outcomes, in the official conventions (module doc)."""
+    rows = [o.row for o in outcomes]
+    done = [o for o in outcomes if o.scores is not None]
+    parsed_answers = [o for o in done if o.response is not None]
+    predicted = [o.response for o in parsed_answers]
+    truth = [o.truth for o in parsed_answers]
     any_rated = any(r["rated"] for r in rows)
-    scored = [(r, s) for r, s in zip(decoded, scores, strict=True) if r["rated"] or not any_rated]
+    scored = [(o.row, o.scores) for o in done if o.row["rated"] or not any_rated]
     parsed = [(r, s) for r, s in scored if r["valid"]]
     for r, _ in scored:
         r["scored"] = True
@@ -210,9 +225,42 @@ def evaluate(
         l2_m=_mean_nested([s["l2"] for _, s in scored]),
         collision=collision_rate(np.array([s["collision"] for _, s in scored])) if scored else {},
         collision_box=collision_rate(np.array([s["collision_box"] for _, s in scored])) if scored else {},
-        failures=failures,
+        failures=[o.failure for o in outcomes if o.failure],
         per_sample=rows,
     )
+
+
+def evaluate(
+    model: BlockDiffusionModel,
+    samples: Iterable[DrivingSample],
+    decoder: str = "ar",
+    options: dict[str, Any] | None = None,
+    on_sample: Callable[[], None] | None = None,
+) -> AccuracyReport:
+    """Answer every sample with `decoder` and score the answers in the official conventions (module doc)."""
+    return summarise(decoder, answer_samples(Planner(model), samples, decoder, options, on_sample))
+
+
+def evaluate_split(
+    planner: Planner,
+    dataset: DrivingDataset,
+    split: str,
+    decoders: dict[str, tuple[str, dict[str, Any]]],
+    limit: int | None = None,
+    on_decoder: Callable[[str, int], Callable[[], None]] | None = None,
+) -> dict[str, AccuracyReport]:
+    """Every decoder (label -> (name, options)) on the first `limit` samples of a split, data parallel: each
+    process answers its share (eval/parallel.py) and every process gets the merged reports, equal to those
+    of one process. `on_decoder(label, samples of this process)` gives the per-sample progress callback."""
+    total = len(dataset.table(split, columns=["sample_id"]))
+    mine = share(range(min(total, limit or total)))
+    start, stop = (mine[0], mine[-1] + 1) if mine else (0, 0)
+    reports = {}
+    for label, (name, options) in decoders.items():
+        on_sample = on_decoder(label, len(mine)) if on_decoder else None
+        samples = islice(dataset.samples(split), start, stop)
+        reports[label] = summarise(name, gather(answer_samples(planner, samples, name, options, on_sample)))
+    return reports
 
 
 def evaluate_greedy_ar(

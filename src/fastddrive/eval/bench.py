@@ -1,19 +1,25 @@
 """Every decoder on the same scenes, in one process, after a warm-up: speed and accuracy side by side.
 
 DESIGN section 7 (throughput): medians over samples, speed-up against `ar` measured in the same run.
-Decoders run interleaved scene by scene, so that drifts of a noisy machine hit all of them alike.
+Decoders run interleaved scene by scene, so that drifts of a noisy machine hit all of them alike. Under
+`accelerate launch` the timed scenes are shared among the processes (each warms up on the first scene) and
+the results gathered once: the same rows as one process, timed on more machines.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from itertools import cycle, islice
+from pathlib import Path
 
 import numpy as np
 
-from fastddrive.data.sample import DrivingSample
+from fastddrive.data.highway import SCENARIOS, episode_samples
+from fastddrive.data.sample import DrivingDataset, DrivingSample, SampleError
 from fastddrive.decode.result import DecodeResult
 from fastddrive.eval.metrics import waypoint_ade_m
+from fastddrive.eval.parallel import gather, share
 from fastddrive.planner import Planner
 
 
@@ -144,3 +150,31 @@ def summarise(
             )
         )
     return rows
+
+
+def run_bench(
+    runs: Sequence[DecoderRun], scenes: Sequence[DrivingSample], on_result: Callable[[], None] | None = None
+) -> tuple[list[BenchRow], dict[str, list[DecodeResult]]]:
+    """(rows, per-scene results) of every decoder on `scenes[1:]` after a warm-up on `scenes[0]`, data parallel
+    (module doc); `on_result` is called after each result of this process."""
+    warm, timed = list(scenes[:1]), list(scenes[1:])
+    mine = share(timed)
+    results = run_decoders(runs, warm + mine, 1, on_result) if mine else {run.label: [] for run in runs}
+    parts = gather([results])
+    merged = {run.label: [r for part in parts for r in part[run.label]] for run in runs}
+    return summarise(runs, timed, merged), merged
+
+
+def bench_scenes(data: Path | None, split: str, seed: int, needed: int) -> list[DrivingSample]:
+    """`needed` scenes (the first warms up): from a dataset split, or fresh seeded simulator episodes."""
+    if data is not None:
+        chosen = list(islice(DrivingDataset.open(data).samples(split), needed))
+    else:
+        chosen = []  # one scene per episode (its first, at t = 3 s), cycling the scenario types
+        for k, name in zip(range(needed * 3), cycle(SCENARIOS)):
+            chosen += episode_samples(name, seed * 100_000 + k, max_duration_s=9)[:1]
+            if len(chosen) >= needed:
+                break
+    if len(chosen) < 2:
+        raise SampleError("the benchmark needs at least 2 scenes (one is the warm-up)")
+    return chosen

@@ -1,0 +1,37 @@
+"""Data parallel across processes with accelerate: each process takes a contiguous share, the shares are
+gathered once, in process order, so that the merged list is the one a single process makes.
+
+Run any command that uses these under `accelerate launch --num_processes N` (add `--cpu` without GPUs); run
+plainly, there is one process and the share is everything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+from accelerate import PartialState
+from accelerate.utils import gather_object
+
+T = TypeVar("T")
+
+
+def share(items: Sequence[T]) -> list[T]:
+    """This process's contiguous share of `items` (the first processes take one more when it does not divide)."""
+    with PartialState().split_between_processes(list(items)) as mine:
+        return list(mine)
+
+
+def gather(mine: list[T]) -> list[T]:
+    """Every process's share, concatenated in process order (every process gets the whole list)."""
+    return list(gather_object(mine))
+
+
+def is_main_process() -> bool:
+    return PartialState().is_main_process
+
+
+def device_of_process(device: str) -> str:
+    """A bare 'cuda' under a multi-process launch means this process's own GPU."""
+    state = PartialState()
+    return str(state.device) if device == "cuda" and state.num_processes > 1 else device

@@ -1,0 +1,213 @@
+"""The HTTP planning service: routes over one model worker (FastAPI, served by uvicorn).
+
+POST /v1/plan (JSON) and /v1/plan/form (the page's multipart form) answer what `fastddrive plan --json`
+prints; GET /healthz, /readyz, /metrics (Prometheus), /docs (OpenAPI), / (the page) and /v1/scenes (the scenes
+of a data folder, for the page). A full queue is a 503 with Retry-After, a request past its time a 504.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import signal
+import string
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from importlib.resources import files
+from pathlib import Path
+from typing import Annotated, Any
+
+import uvicorn
+from fastapi import FastAPI, File, Form, HTTPException, Response, UploadFile
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from fastddrive import __version__
+from fastddrive.data.sample import NAV_COMMANDS, DrivingDataset, DrivingSample, SampleError, encode_png
+from fastddrive.decode.registry import DECODERS
+from fastddrive.inputs import image_from_bytes
+from fastddrive.outputs import finite
+from fastddrive.planner import PlanInputs, Planner
+from fastddrive.serve.metrics import PlanTiming, ServiceMetrics
+from fastddrive.serve.schemas import ZERO_HISTORY, PlanAnswer, PlanRequest, checked_request, decode_images, refusal
+from fastddrive.serve.worker import ModelWorker, NotReady, QueueFull
+
+RETRY_AFTER_S = 1
+REFUSALS: dict[int | str, dict[str, Any]] = {
+    422: {"description": "A field is wrong; `detail[].loc` names it."},
+    503: {"description": "The queue is full or the model is not loaded yet; see Retry-After."},
+    504: {"description": "No answer within the server's --timeout-s."},
+}
+
+
+def create_app(
+    load: Callable[[], Planner],
+    decoder: str = "ss",
+    max_queue: int = 32,
+    timeout_s: float = 10.0,
+    data: Path | None = None,
+) -> FastAPI:
+    """The service; `load()` runs on the model worker's thread at startup (/readyz says when it is done)."""
+    default_decoder = decoder  # the form has a field of the same name
+    worker = ModelWorker(load, max_queue)
+    metrics = ServiceMetrics(worker.depth)
+    dataset = DrivingDataset.open(data) if data is not None else None
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        worker.start()
+        yield
+        await run_in_threadpool(worker.close)  # uvicorn has finished every request by now
+
+    app = FastAPI(
+        title="fastddrive planning service",
+        version=__version__,
+        lifespan=lifespan,
+        description="Camera frames, ego history and a navigation command in; a structured driving answer out.",
+    )
+    app.state.worker = worker
+
+    app.add_middleware(PlanTiming, metrics=metrics)
+
+    def ready_planner() -> Planner:
+        if not worker.ready:
+            detail = worker.load_error or "the model is loading"
+            raise HTTPException(503, detail, headers={"Retry-After": str(RETRY_AFTER_S)})
+        return worker.planner
+
+    async def answer(scene: PlanInputs, name: str, options: dict[str, Any]) -> Response:
+        try:
+            result, job = await worker.plan(scene, name, options, timeout_s)
+        except (QueueFull, NotReady) as err:
+            detail = "the queue is full" if isinstance(err, QueueFull) else "the service is not ready"
+            raise HTTPException(503, detail, headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except TimeoutError:
+            raise HTTPException(504, f"no answer within {timeout_s:g} s") from None
+        except ValueError as err:  # options only the decoder can check: drafts' length, a vocabulary file
+            raise RequestValidationError([refusal(("options",), str(err))]) from None
+        metrics.answer(result)
+        # Server-Timing lets a client tell the service's own overhead from queueing and planning.
+        timing = f"queue;dur={job.queue_ms:.3f}, plan;dur={job.plan_ms:.3f}"
+        return JSONResponse(finite(result.to_json()), headers={"Server-Timing": timing})
+
+    @app.post("/v1/plan", response_model=PlanAnswer, responses=REFUSALS)
+    async def plan(request: PlanRequest) -> Response:
+        """Plan one scene: base64 frames, ego history, command; the decoder and options are optional."""
+        planner = ready_planner()
+        images, errors = decode_images(request.images)
+        name = request.decoder or decoder
+        checked = checked_request(planner, images, request.history, request.command, name, request.options, errors)
+        return await answer(*checked)
+
+    @app.post("/v1/plan/form", response_model=PlanAnswer, responses=REFUSALS)
+    async def plan_form(
+        command: Annotated[str, Form(description=f"One of {', '.join(NAV_COMMANDS)}.")],
+        frame: Annotated[UploadFile | None, File(description="A PNG or JPEG camera frame.")] = None,
+        scene: Annotated[str, Form(description="Instead of a frame: a data-folder scene, split/index.")] = "",
+        history: Annotated[str, Form(description="JSON rows of x, y, vx, vy, ax, ay (default: the scene's).")] = "",
+        decoder: Annotated[str, Form(description="Default: the server's.")] = "",
+        options: Annotated[str, Form(description="The decoder's options as a JSON object.")] = "{}",
+    ) -> Response:
+        """The page's form: a frame upload (or a data-folder scene), history, command, decoder, options."""
+        planner = ready_planner()
+        images, errors, rows = [], [], None
+        if scene:
+            try:
+                picked = await run_in_threadpool(pick_scene, scene)
+                images, rows = [picked.image], picked.history.tolist()
+            except (ValueError, IndexError) as err:
+                errors.append(refusal(("scene",), str(err)))
+        if frame is not None and frame.filename:  # a browser sends an empty part when no file is chosen
+            try:
+                images = [image_from_bytes(await frame.read())]
+            except SampleError as err:
+                errors.append(refusal(("frame",), str(err)))
+        try:
+            rows = json.loads(history) if history.strip() else rows
+        except json.JSONDecodeError:
+            errors.append(refusal(("history",), "history is not valid JSON; give 7 rows of [x, y, vx, vy, ax, ay]"))
+        try:
+            options_given = json.loads(options or "{}")
+            if not isinstance(options_given, dict):
+                raise ValueError
+        except ValueError:
+            errors.append(refusal(("options",), 'options must be a JSON object, e.g. {"tau": 0.5}'))
+            options_given = {}
+        checked = checked_request(planner, images, rows, command, decoder or default_decoder, options_given, errors)
+        return await answer(*checked)
+
+    def pick_scene(scene_id: str) -> DrivingSample:
+        if dataset is None:
+            raise SampleError("this server has no data folder (start it with --data)")
+        split, _, index = scene_id.partition("/")
+        if not index.isdigit():
+            raise SampleError(f"a scene is split/index, got {scene_id!r}")
+        return dataset.sample(split, int(index))
+
+    @app.get("/v1/scenes")
+    def scenes() -> dict[str, list[dict[str, str]]]:
+        """The data folder's scenes for the page's picker (none without --data)."""
+        if dataset is None:
+            return {"scenes": []}
+        listed = []
+        for split in ("test", "val", "train"):
+            rows = dataset.table(split, columns=["sample_id", "scenario", "command"]).to_pylist()
+            listed += [{"id": f"{split}/{k}", **row} for k, row in enumerate(rows)]
+        return {"scenes": listed}
+
+    @app.get("/v1/scenes/{split}/{index}")
+    def scene(split: str, index: int) -> dict[str, Any]:
+        """One scene of the data folder: its frame (a PNG data URL), history, command and camera view."""
+        try:
+            sample = pick_scene(f"{split}/{index}")
+        except (ValueError, IndexError) as err:  # no data folder, an unknown split, an index out of range
+            raise HTTPException(404, str(err)) from None
+        view = sample.view
+        return {
+            "id": f"{split}/{index}",
+            "image": "data:image/png;base64," + base64.b64encode(encode_png(sample.image)).decode(),
+            "history": sample.history.tolist(),
+            "command": sample.command,
+            "view": {
+                "pixels_per_metre": view.pixels_per_metre,
+                "ego_pixel": view.ego_pixel,
+                "ego_heading_rad": view.ego_heading_rad,
+            },
+        }
+
+    page = string.Template(files("fastddrive.serve").joinpath("page.html").read_text()).substitute(
+        commands="".join(f"<option>{c}</option>" for c in NAV_COMMANDS),
+        decoders="".join(f"<option{' selected' * (d == decoder)}>{d}</option>" for d in DECODERS),
+        history=json.dumps(ZERO_HISTORY),
+    )
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    def index() -> str:
+        return page
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        """The process is up."""
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz() -> Response:
+        """The model is loaded and requests are taken (503 while it loads, or with why it failed)."""
+        if worker.ready:
+            return JSONResponse({"status": "ready", "decoder": default_decoder, "max_queue": max_queue})
+        return JSONResponse({"status": worker.load_error or "loading"}, 503, headers={"Retry-After": "1"})
+
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        """Prometheus text format."""
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def run(app: FastAPI, host: str, port: int, grace_s: float) -> None:
+    """Serve until SIGTERM (or Ctrl+C): stop accepting, finish what is in flight (at most `grace_s`), return."""
+    # uvicorn raises the signal again once it has shut down; this handler makes that a normal exit (status 0).
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=grace_s, log_level="info")
