@@ -1,6 +1,7 @@
 """The WOD-E2E adapter on simulator samples exported in the Fast-dDrive / dVLM-AD release format."""
 
 import json
+import struct
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,7 +22,18 @@ from fastddrive.data.wod_e2e import (
     split_cameras,
     split_of,
 )
+from fastddrive.data.wod_tfrecord import (
+    CorruptRecord,
+    decode_frame,
+    encode_frame,
+    read_frames,
+    read_records,
+    write_records,
+)
+from fastddrive.eval.metrics import rater_feedback_score
 from fastddrive.schema import parse
+
+FRAMES = {split: f"{split}.tfrecord-00000-of-00001" for split in ("training", "validation", "test")}
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +76,10 @@ def assert_same(back: DrivingSample, original: DrivingSample, exact_image: bool 
         np.testing.assert_array_equal(back.image, original.image)
 
 
+def rated_frame(sample: DrivingSample) -> bytes:
+    return encode_frame(sample.sample_id, sample.rater_trajectories, sample.rater_scores)
+
+
 def test_export_writes_the_release_layout(dataset, tmp_path):
     calls = []
     report = export_wod_e2e(dataset, tmp_path, on_item=lambda: calls.append(1))
@@ -91,8 +107,12 @@ def test_export_writes_the_release_layout(dataset, tmp_path):
     assert np.array_equal(record["future waypoints"], original.future)
     assert np.array_equal(record["gt_5waypoints_1s"], original.future[3::4])
     assert record["rated"] is True
-    assert [t["preference_score"] for t in record["preference_trajectories"]] == original.rater_scores.tolist()
-    assert load(tmp_path / "training.json")[0]["preference_trajectories"] == []
+    assert "preference_trajectories" not in record  # as in the release, the raters are in the TFRecords
+    assert sorted(p.name for p in tmp_path.glob("*.tfrecord*")) == sorted(FRAMES.values())
+    frames = list(read_frames(tmp_path / FRAMES["validation"]))
+    assert [name for name, _ in frames] == [s.sample_id for s in stored(dataset)["val"]]
+    assert [t["preference_score"] for t in frames[0][1]] == original.rater_scores.tolist()
+    assert [name for name, rated in read_frames(tmp_path / FRAMES["training"]) if rated] == []
 
 
 # The human turn of the release's example (SaFo-Lab/dVLM-AD eval/inference.py), verbatim.
@@ -173,11 +193,13 @@ def test_malformed_records_are_reported_with_file_and_id_and_the_rest_converts(d
     first, second = load(release / "validation.json")
     missing = release / first["image"][1]
     missing.unlink()
-    short = {**second, "sample_id": "short-future", "future waypoints": second["future waypoints"][:19]}
-    no_command = {k: v for k, v in second.items() if k != "navigation_command"} | {"sample_id": "no-command"}
+    unrated = {k: v for k, v in second.items() if k != "rated"}  # no TFRecord frame has these ids
+    short = {**unrated, "sample_id": "short-future", "future waypoints": second["future waypoints"][:19]}
+    no_command = {k: v for k, v in unrated.items() if k != "navigation_command"} | {"sample_id": "no-command"}
     save(release / "validation.json", [first, second, short, "not a record", no_command])
     (release / "test.json").write_text("[{", encoding="utf-8")
     save(release / "predictions.json", [])
+    write_records(release / "frames.tfrecord", [])
 
     report = convert_wod_e2e(release, tmp_path / "back")
     assert report.samples == {"train": 2, "val": 1, "test": 0}
@@ -189,6 +211,7 @@ def test_malformed_records_are_reported_with_file_and_id_and_the_rest_converts(d
         ("validation.json", "no-command"),
         ("test.json", ""),
         ("predictions.json", ""),
+        ("frames.tfrecord", ""),
     }
     assert str(missing) in failures[("validation.json", first["sample_id"])]
     assert "20 points" in failures[("validation.json", "short-future")]
@@ -201,24 +224,43 @@ def test_malformed_records_are_reported_with_file_and_id_and_the_rest_converts(d
 def test_unrated_frames_are_dropped_from_scored_splits_and_kept_in_train(dataset, tmp_path):
     release = tmp_path / "release"
     export_wod_e2e(dataset, release, image_format="png")
-    val = load(release / "validation.json")
-    val[0]["preference_trajectories"][0]["preference_score"] = -1  # the official evaluator skips this frame
-    save(release / "validation.json", val)
-    test = load(release / "test.json")
-    del test[0]["preference_trajectories"]
-    test[0]["rated"] = False  # convert_wod_e2e.py's flag for the same rule
-    save(release / "test.json", test)
-    train = load(release / "training.json")
-    train[0]["preference_trajectories"] = val[0]["preference_trajectories"]
-    save(release / "training.json", train)
+    original = stored(dataset)
+    first, second = original["val"]
+    unrated = np.full(len(first.rater_scores), -1.0)  # the official evaluator skips a frame scored -1
+    write_records(
+        release / FRAMES["validation"],
+        [encode_frame(first.sample_id, first.rater_trajectories, unrated), rated_frame(second)],
+    )
+    train = original["train"]
+    write_records(
+        release / FRAMES["training"],
+        [encode_frame(train[0].sample_id, first.rater_trajectories, unrated), rated_frame(train[1])],
+    )
+    (release / FRAMES["test"]).unlink()  # the test records carry their raters themselves, or none
+    test = load(release / "test.json")[0]
+    as_json = [
+        {"pos_x": f[:, 0].tolist(), "pos_y": f[:, 1].tolist(), "preference_score": float(s)}
+        for f, s in zip(second.rater_trajectories, second.rater_scores, strict=True)
+    ]
+    save(
+        release / "test.json",
+        [
+            test | {"preference_trajectories": [t | {"preference_score": -1} for t in as_json]},
+            {k: v for k, v in test.items() if k != "preference_trajectories"}
+            | {"sample_id": "no-raters", "rated": False},
+            test | {"sample_id": "json-rated", "preference_trajectories": as_json},
+        ],
+    )
 
     report = convert_wod_e2e(release, tmp_path / "back")
     assert report.failures == []
-    assert report.unrated == {"train": 0, "val": 1, "test": 1}
+    assert report.unrated == {"train": 0, "val": 1, "test": 2}
     back = stored(tmp_path / "back")
-    assert [s.sample_id for s in back["val"]] == [val[1]["sample_id"]]
-    assert back["test"] == []
-    assert len(back["train"]) == 2 and back["train"][0].rater_scores.size == 0
+    assert [s.sample_id for s in back["val"]] == [second.sample_id]
+    assert [s.sample_id for s in back["test"]] == ["json-rated"]
+    np.testing.assert_array_equal(back["test"][0].rater_trajectories, second.rater_trajectories)
+    np.testing.assert_array_equal(back["test"][0].rater_scores, second.rater_scores)
+    assert [s.rater_scores.size for s in back["train"]] == [0, 0]
 
 
 def test_an_empty_or_template_answer_is_derived_from_the_future(dataset, tmp_path):
@@ -243,6 +285,8 @@ def test_split_is_read_from_the_file_name():
     assert split_of(Path("test.json")) == "test"
     assert split_of(Path("predictions.json")) is None
     assert split_of(Path("train_val.json")) is None
+    assert split_of(Path("validation.tfrecord-00000-of-00001")) == "val"
+    assert split_of(Path("val_202504211836.tfrecord-00012-of-00093")) == "val"
 
 
 def test_waymo_cameras_are_fitted_to_the_release_pixel_budget():
@@ -268,3 +312,148 @@ def test_outputs_are_not_overwritten_unless_asked(dataset, tmp_path):
     assert convert_wod_e2e(tmp_path / "release", tmp_path / "back", overwrite=True).samples["test"] == 1
     with pytest.raises(FileNotFoundError):
         convert_wod_e2e(tmp_path / "empty", tmp_path / "other")
+
+
+def crc32c_bitwise(data: bytes) -> int:
+    """CRC-32C (Castagnoli, reflected polynomial 0x82F63B78) one bit at a time: a reference independent of the code."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 & -(crc & 1))
+    return crc ^ 0xFFFFFFFF
+
+
+def framed(data: bytes) -> bytes:
+    """One TFRecord record by the format: length, masked CRC of the length, data, masked CRC of the data."""
+
+    def masked(chunk: bytes) -> bytes:
+        crc = crc32c_bitwise(chunk)
+        return ((((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF).to_bytes(4, "little")
+
+    length = len(data).to_bytes(8, "little")
+    return length + masked(length) + data + masked(data)
+
+
+def test_tfrecord_framing_round_trips_and_a_flipped_byte_is_named(tmp_path):
+    assert crc32c_bitwise(b"123456789") == 0xE3069283  # the CRC-32C check value: the reference is right
+    records = [b"", b"frame", bytes(range(256)) * 3]
+    path = tmp_path / "validation.tfrecord"
+    assert write_records(path, records) == 3
+    raw = path.read_bytes()
+    assert raw == b"".join(framed(r) for r in records)
+    assert list(read_records(path)) == records
+
+    def read_altered(data: bytes) -> list:
+        path.write_bytes(data)
+        return list(read_records(path))
+
+    second = len(framed(records[0]))  # where record #1 starts
+    flipped = bytearray(raw)
+    flipped[second + 12 + 2] ^= 0x10  # in record #1's data: that record is lost, the next one read
+    first, error, third = read_altered(bytes(flipped))
+    assert (first, third) == (records[0], records[2])
+    assert isinstance(error, CorruptRecord) and error.index == 1
+    assert str(error) == f"{path}: record #1: the data fails its CRC"
+    flipped = bytearray(raw)
+    flipped[second] ^= 0x01  # in record #1's length: the framing is lost from there
+    first, error = read_altered(bytes(flipped))
+    assert first == records[0] and error.index == 1 and "length" in error.reason
+    *kept, error = read_altered(raw[:-10])  # a cut file
+    assert kept == records[:2] and error.index == 2 and str(path) in str(error)
+    *kept, error = read_altered(raw + b"\x01\x02")  # a stray tail shorter than a header
+    assert kept == records and error.index == 3
+
+
+def test_e2ed_frames_use_the_official_field_numbers():
+    f32 = struct.Struct("<f").pack
+    data = encode_frame("ab", [np.array([[1.0, 2.0]])], [10.0])
+    # Tags are (field number << 3) | wire type; 2 = length-delimited, 5 = 32-bit.
+    # E2EDFrame.frame = 1 { Frame.context = 1 { Context.name = 1: "ab" } }
+    name = b"\x0a\x06" + b"\x0a\x04" + b"\x0a\x02ab"
+    # EgoTrajectoryStates: pos_x = 1, pos_y = 2 (packed floats), preference_score = 8 (float: tag 0x45)
+    rater = b"\x0a\x04" + f32(1.0) + b"\x12\x04" + f32(2.0) + b"\x45" + f32(10.0)
+    # E2EDFrame.preference_trajectories = 8 (tag 0x42)
+    assert data == name + b"\x42" + bytes([len(rater)]) + rater
+    assert decode_frame(data) == ("ab", [{"pos_x": [1.0], "pos_y": [2.0], "preference_score": 10.0}])
+
+    # A frame as WOD writes it holds more, skipped: Frame.timestamp_micros = 2 (varint), Frame.images = 4 with
+    # CameraImage name = 1 and image = 2, E2EDFrame.future_states = 5, E2EDFrame.intent = 7 (varint).
+    image = b"\x08\x01" + b"\x12\x03jpg"
+    frame = b"\x0a\x04\x0a\x02ab" + b"\x10\x2a" + b"\x22" + bytes([len(image)]) + image
+    future = b"\x0a\x04" + f32(5.0)
+    full = b"\x0a" + bytes([len(frame)]) + frame + b"\x2a\x06" + future + b"\x38\x01" + data[len(name) :]
+    assert decode_frame(full) == decode_frame(data)
+    with pytest.raises(ValueError, match="E2EDFrame"):
+        decode_frame(b"\x0a\xff")
+
+
+def test_raters_round_trip_through_the_tfrecords_with_the_same_rfs(dataset, tmp_path):
+    release = tmp_path / "release"
+    export_wod_e2e(dataset, release, image_format="png")
+    assert all("preference_trajectories" not in r for r in load(release / "validation.json"))
+    report = convert_wod_e2e(release, tmp_path / "back")
+    assert report.failures == []
+    back, original = stored(tmp_path / "back"), stored(dataset)
+    pairs = list(zip(back["val"] + back["test"], original["val"] + original["test"], strict=True))
+    assert len(pairs) == 3
+    for b, o in pairs:
+        assert b.sample_id == o.sample_id and o.rater_scores.size > 0
+        np.testing.assert_allclose(b.rater_trajectories, o.rater_trajectories, rtol=0, atol=1e-6)
+        assert b.rater_scores.tolist() == o.rater_scores.tolist()
+        speed = float(np.linalg.norm(o.history[-1, 2:4]))
+        for plan in (o.future, o.future + [3.0, 1.0], o.rater_trajectories[-1]):
+            rfs = rater_feedback_score(plan, o.rater_trajectories, o.rater_scores, speed)
+            assert rater_feedback_score(plan, b.rater_trajectories, b.rater_scores, speed) == rfs
+
+    for path in release.glob("*.tfrecord*"):
+        path.unlink()  # without them the records hold no raters: the TFRecords carried them
+    convert_wod_e2e(release, tmp_path / "bare")
+    assert [s.rater_scores.size for s in stored(tmp_path / "bare")["val"]] == [0, 0]
+
+
+def test_rater_paths_are_fitted_to_20_points_and_3_raters_as_the_official_evaluator(dataset, tmp_path):
+    release = tmp_path / "release"
+    export_wod_e2e(dataset, release, split="val", image_format="png")
+    first, second = stored(dataset)["val"]
+    path = np.cumsum(np.full((25, 2), [1.0, 0.25]), axis=0)
+    paths = [path, path[:12], path[:20], path[:20] + 1]
+    write_records(
+        release / FRAMES["validation"], [encode_frame(first.sample_id, paths, [8, 6, 4, 2]), rated_frame(second)]
+    )
+    report = convert_wod_e2e(release, tmp_path / "back")
+    assert report.failures == []
+    fitted = stored(tmp_path / "back")["val"][0]
+    assert fitted.rater_scores.tolist() == [8, 6, 4]  # the first 3 raters
+    np.testing.assert_array_equal(fitted.rater_trajectories[0], path[:20])  # cut
+    np.testing.assert_array_equal(
+        fitted.rater_trajectories[1], np.concatenate([path[:12], np.repeat(path[11:12], 8, axis=0)])
+    )
+
+
+def test_a_corrupt_or_cut_tfrecord_is_reported_by_file_and_record_and_the_rest_converts(dataset, tmp_path):
+    release = tmp_path / "release"
+    export_wod_e2e(dataset, release, split="val", image_format="png")
+    first, second = stored(dataset)["val"]
+    frames = release / FRAMES["validation"]
+    raw = frames.read_bytes()
+    flipped = bytearray(raw)
+    flipped[12 + 5] ^= 0xFF  # inside frame #0
+    frames.write_bytes(bytes(flipped))
+
+    report = convert_wod_e2e(release, tmp_path / "back")
+    failures = {(f.file.name, f.record_id): f for f in report.failures}
+    assert set(failures) == {(frames.name, "#0"), ("validation.json", first.sample_id)}
+    assert str(failures[frames.name, "#0"]) == f"{frames}: record #0: the data fails its CRC"
+    assert "marked rated" in failures["validation.json", first.sample_id].error  # its raters were lost
+    assert_same(stored(tmp_path / "back")["val"][0], second)
+    assert not DrivingDataset.open(tmp_path / "back").manifest["complete"]
+
+    frames.write_bytes(raw[:-7])  # a download cut inside frame #1
+    report = convert_wod_e2e(release, tmp_path / "back", overwrite=True)
+    assert [(f.file.name, f.record_id) for f in report.failures] == [
+        (frames.name, "#1"),
+        ("validation.json", second.sample_id),
+    ]
+    assert "ends inside" in report.failures[0].error
+    assert_same(stored(tmp_path / "back")["val"][0], first)

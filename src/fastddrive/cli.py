@@ -179,7 +179,10 @@ def data_verify(
 
 @data_app.command("wod-e2e")
 def data_wod_e2e(
-    src: Annotated[Path, typer.Option(help="Folder of release-format JSON files (training/validation/test).")],
+    src: Annotated[
+        Path,
+        typer.Option(help="Folder of release-format JSON files (training/validation/test) and TFRecords (raters)."),
+    ],
     out: Annotated[Path, typer.Option(help="Output dataset folder.")],
     image_root: Annotated[Path | None, typer.Option(help="Root of the records' image paths (default: --src).")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing dataset in --out.")] = False,

@@ -23,10 +23,19 @@ writes `training.json`, `validation.json`, `test.json`, the WOD-E2E split names.
   the history is read from the prompt (2 decimals).
 
 Where the release is silent, or this project differs (choices made here):
-- Raters: the release keeps them in the WOD-E2E tfrecords (`E2EDFrame.preference_trajectories`, read by
-  `fast_ddrive/eval/evaluate_waymo_metrics.py`), not in the JSON; records here carry them under that proto's
-  names, `preference_trajectories: [{"pos_x": [20], "pos_y": [20], "preference_score": s}, ...]`. Records
-  without them have no raters (tfrecords are not read: that needs tensorflow and the WOD protos).
+- Raters: the release keeps them in the WOD-E2E TFRecords (`E2EDFrame.preference_trajectories`, read by
+  `fast_ddrive/eval/evaluate_waymo_metrics.py`), not in the JSON. They are read here without tensorflow
+  (data/wod_tfrecord.py) from the `*.tfrecord*` files beside the JSON files (the WOD-E2E tutorial's
+  `validation.tfrecord*`, convert_wod_e2e.py's `val_*.tfrecord*`), whose split is read off the name as for
+  the JSON; a split's TFRecords are read, in full (each frame holds its camera images), when a JSON file of
+  that split is. A record gets the raters of the frame whose `frame.context.name` is its `sample_id`, else
+  its own `preference_trajectories` under the proto's names (`[{"pos_x": [20], "pos_y": [20],
+  "preference_score": s}, ...]`), else none; where its split has TFRecords, a record marked `rated: true`
+  without them is malformed (its frame is missing or was lost to a corrupt record, reported on its own).
+  Rater paths are cut or padded (last point repeated) to 20 points and the first 3 raters kept, as the
+  official evaluator (waymo-open-dataset `metrics/python/rater_feedback_utils.py`). An export writes the JSON
+  without raters and, per split, `<split>.tfrecord-00000-of-00001`: one E2EDFrame per sample holding its name
+  and raters only (no cameras or states).
 - Unrated frames: the official evaluator scores a frame only when it has preference trajectories and the
   first one's score is not -1 (evaluate_waymo_metrics.py `load_waymo_e2e_data`); in val and test other
   frames are dropped and counted (as is a record with `rated: false` and no trajectories); in train they
@@ -68,6 +77,7 @@ from fastddrive.data.sample import (
     HISTORY_INTERVAL_S,
     HISTORY_STEPS,
     IMAGE_UNIT_PX,
+    MAX_RATERS,
     SPLITS,
     CameraView,
     DrivingDataset,
@@ -75,6 +85,7 @@ from fastddrive.data.sample import (
     encode_png,
     write_shard,
 )
+from fastddrive.data.wod_tfrecord import CorruptRecord, encode_frame, read_frames, write_records
 from fastddrive.schema import CRITICAL_OBJECT_CLASSES, WAYPOINT_INTERVAL_S, DrivingResponse, MetaBehavior, parse, render
 
 SOURCE = "wod-e2e"
@@ -84,6 +95,8 @@ CAMERAS = ("FRONT_LEFT", "FRONT", "FRONT_RIGHT")
 RELEASE_MAX_PIXELS = 200_704  # per camera: batch_inference.py min_pixels = max_pixels
 JPEG_QUALITY = 95
 SHARD_SIZE = 128  # samples per parquet shard
+TFRECORD_PATTERN = "*.tfrecord*"
+TFRECORD_SHARD = ".tfrecord-00000-of-00001"  # an export's one shard per split, in WOD's sharded naming
 INTENTS = {"go_straight": "GO_STRAIGHT", "go_left": "GO_LEFT", "go_right": "GO_RIGHT"}
 _COMMANDS = {name: command for command, name in INTENTS.items()} | {"UNKNOWN": "go_straight"}
 PAST_STATES_4HZ = 16  # WOD-E2E past_states: t = (-4, 0] s at 4 Hz
@@ -126,6 +139,9 @@ _STATE = re.compile(
     rf"\(t([+-]\d+\.\d)s\) \[({_NUMBER}), ({_NUMBER})\], Acceleration: X ({_NUMBER}), Y ({_NUMBER}) m/s², "
     rf"Velocity: X ({_NUMBER}), Y ({_NUMBER}) m/s,"
 )
+
+
+Frames = dict[str, list[dict[str, Any]]]  # frame name -> its preference trajectories, as wod_tfrecord.decode_frame
 
 
 class RecordError(ValueError):
@@ -289,22 +305,39 @@ def _image(value: Any, root: Path, max_pixels: int) -> np.ndarray:
     return join_cameras(cameras, max_pixels)
 
 
-def _raters(record: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
-    """The rater futures and scores, none for an unrated frame (the official evaluator's rule)."""
-    rated = record.get("preference_trajectories")
+def _rater_future(rated: dict[str, Any]) -> np.ndarray:
+    """One rater path cut or padded (its last point repeated) to 20 points, as the official evaluator does."""
+    points = np.stack([rated["pos_x"], rated["pos_y"]], axis=-1).astype(np.float64)
+    if len(points) == 0:
+        raise RecordError("a preference trajectory has no points")
+    padding = np.repeat(points[-1:], max(FUTURE_STEPS - len(points), 0), axis=0)
+    return np.concatenate([points[:FUTURE_STEPS], padding])
+
+
+def _raters(record: dict[str, Any], frames: Frames | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """The rater futures and scores (from the record's TFRecord frame, else the record), None for an unrated frame.
+
+    Unrated is the official evaluator's rule: no preference trajectories, or the first one scored -1.
+    """
+    rated = (frames or {}).get(str(record["sample_id"]), record.get("preference_trajectories"))
     if rated is None:
+        if frames is not None and record.get("rated") is True:
+            raise RecordError("marked rated, but no TFRecord frame of this name has preference trajectories")
         return None if record.get("rated") is False else (np.zeros((0, FUTURE_STEPS, 2)), np.zeros(0))
     if not isinstance(rated, list) or not all(isinstance(t, dict) for t in rated):
         raise RecordError("'preference_trajectories' must be a list of {pos_x, pos_y, preference_score}")
     if not rated or float(rated[0]["preference_score"]) == -1:
         return None
-    futures = np.array([np.stack([t["pos_x"], t["pos_y"]], axis=-1) for t in rated], dtype=np.float64)
+    rated = rated[:MAX_RATERS]
+    futures = np.array([_rater_future(t) for t in rated])
     return futures, np.array([t["preference_score"] for t in rated], dtype=np.float64)
 
 
-def _sample(record: dict[str, Any], split: str, root: Path, max_pixels: int) -> tuple[DrivingSample | None, bool]:
+def _sample(
+    record: dict[str, Any], split: str, root: Path, max_pixels: int, frames: Frames | None
+) -> tuple[DrivingSample | None, bool]:
     """The record as a sample (None for an unrated frame that `split` drops) and whether its answer is derived."""
-    raters = _raters(record)
+    raters = _raters(record, frames)
     if raters is None and split in RATER_SPLITS:
         return None, False
     prompt, answer = _conversation(record)
@@ -334,12 +367,14 @@ def _sample(record: dict[str, Any], split: str, root: Path, max_pixels: int) -> 
     return sample, derived
 
 
-def _outcome(path: Path, index: int, record: Any, split: str, root: Path, max_pixels: int) -> RecordOutcome:
+def _outcome(
+    path: Path, index: int, record: Any, split: str, root: Path, max_pixels: int, frames: Frames | None
+) -> RecordOutcome:
     record_id = str(record.get("sample_id") or f"#{index}") if isinstance(record, dict) else f"#{index}"
     try:
         if not isinstance(record, dict):
             raise RecordError(f"a record must be a JSON object, got {type(record).__name__}")
-        sample, derived = _sample(record, split, root, max_pixels)
+        sample, derived = _sample(record, split, root, max_pixels, frames)
     except KeyError as err:
         return RecordOutcome(path, record_id, split, error=f"missing field {err}")
     except (ValueError, TypeError, OSError) as err:  # a malformed record is reported, the others go on
@@ -347,11 +382,35 @@ def _outcome(path: Path, index: int, record: Any, split: str, root: Path, max_pi
     return RecordOutcome(path, record_id, split, sample, answer_derived=derived, unrated=sample is None)
 
 
-def _outcomes(files: list[Path], root: Path, max_pixels: int) -> Iterator[RecordOutcome]:
+def _read_frames(paths: list[Path], split: str) -> tuple[Frames | None, list[RecordOutcome]]:
+    """The preference trajectories in a split's TFRecord files by frame name (None without files), and failures."""
+    if not paths:
+        return None, []
+    frames: Frames = {}
+    failures = []
+    for path in paths:
+        try:
+            for frame in read_frames(path):
+                if isinstance(frame, CorruptRecord):
+                    failures.append(RecordOutcome(path, f"#{frame.index}", split, error=frame.reason))
+                else:
+                    name, rated = frame
+                    frames[name] = rated
+        except OSError as err:
+            failures.append(RecordOutcome(path, "", split, error=f"not readable: {err}"))
+    return frames, failures
+
+
+def _outcomes(files: list[Path], tfrecords: list[Path], root: Path, max_pixels: int) -> Iterator[RecordOutcome]:
+    unnamed = "its name tells no split: name it training, validation or test"
+    for path in tfrecords:
+        if split_of(path) is None:
+            yield RecordOutcome(path, "", "", error=unnamed)
+    frames: dict[str, Frames | None] = {}  # per split, read when the first JSON file of the split is
     for path in files:
         split = split_of(path)
         if split is None:
-            yield RecordOutcome(path, "", "", error="its name tells no split: name it training, validation or test")
+            yield RecordOutcome(path, "", "", error=unnamed)
             continue
         try:
             records = json.loads(path.read_text(encoding="utf-8"))
@@ -362,22 +421,29 @@ def _outcomes(files: list[Path], root: Path, max_pixels: int) -> Iterator[Record
             kind = type(records).__name__
             yield RecordOutcome(path, "", split, error=f"must hold a JSON list of records, not a JSON {kind}")
             continue
+        if split not in frames:
+            frames[split], failures = _read_frames([p for p in tfrecords if split_of(p) == split], split)
+            yield from failures
         for index, record in enumerate(records):
-            yield _outcome(path, index, record, split, root, max_pixels)
+            yield _outcome(path, index, record, split, root, max_pixels, frames[split])
 
 
 def read_wod_e2e(
     src: str | Path, image_root: str | Path | None = None, max_pixels: int = RELEASE_MAX_PIXELS
 ) -> Iterator[RecordOutcome]:
-    """Every record of the release JSON files in `src` (images relative to `image_root`, default `src`), lazily.
+    """Every record of the release JSON files in `src` (images relative to `image_root`, default `src`), lazily,
+    with the raters of the TFRecord files in `src`.
 
-    Raises FileNotFoundError at once when `src` holds no JSON file; everything after is reported per record.
+    Raises FileNotFoundError at once when `src` holds no JSON file; everything after is reported per record
+    (a TFRecord record that cannot be read, by its index `#k`).
     """
     src = Path(src)
     files = sorted(src.glob("*.json")) if src.is_dir() else []
     if not files:
         raise FileNotFoundError(f"{src} holds no release JSON files (training.json, validation.json, test.json)")
-    return _outcomes(files, Path(image_root) if image_root is not None else src, max_pixels)
+    # Hidden files are an interrupted export's temporary files.
+    tfrecords = sorted(p for p in src.glob(TFRECORD_PATTERN) if not p.name.startswith("."))
+    return _outcomes(files, tfrecords, Path(image_root) if image_root is not None else src, max_pixels)
 
 
 def _check_output(out: Path, overwrite: bool) -> None:
@@ -481,10 +547,6 @@ def release_record(
         "history waypoints": history[:, 0:2].tolist(),
         "velocity": history[:, 2:4].tolist(),
         "acceleration": history[:, 4:6].tolist(),
-        "preference_trajectories": [
-            {"pos_x": future[:, 0].tolist(), "pos_y": future[:, 1].tolist(), "preference_score": float(score)}
-            for future, score in zip(sample.rater_trajectories, sample.rater_scores, strict=True)
-        ],
     }
 
 
@@ -498,8 +560,8 @@ def export_wod_e2e(
 ) -> ExportReport:
     """Write a dataset's samples (one split, or all) in the release format; `on_item()` is called per sample.
 
-    `out` gets `training.json`, `validation.json` and `test.json` (those with samples), each written
-    atomically, and the camera images under `images/`.
+    `out` gets `training.json`, `validation.json` and `test.json` (those with samples) with the raters in
+    `<split>.tfrecord-00000-of-00001` beside them, each written atomically, and the camera images under `images/`.
     """
     start = time.perf_counter()
     if split is not None and split not in SPLITS:
@@ -511,9 +573,10 @@ def export_wod_e2e(
     _check_output(out, overwrite)
     counts = {}
     for name in SPLITS if split is None else (split,):
-        records = []
+        records, frames = [], []
         for sample in dataset.samples(name):
             records.append(release_record(sample, out, name, image_format))
+            frames.append(encode_frame(sample.sample_id, sample.rater_trajectories, sample.rater_scores))
             if on_item:
                 on_item()
         if records:
@@ -521,5 +584,6 @@ def export_wod_e2e(
             tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
             tmp.write_text(json.dumps(records, ensure_ascii=False), encoding="utf-8")
             os.replace(tmp, path)
+            write_records(out / f"{RELEASE_SPLITS[name]}{TFRECORD_SHARD}", frames)
             counts[RELEASE_SPLITS[name]] = len(records)
     return ExportReport(counts, time.perf_counter() - start)

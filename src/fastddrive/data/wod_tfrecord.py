@@ -1,0 +1,163 @@
+"""WOD-E2E TFRecord files without tensorflow: the record framing and the E2EDFrame fields that carry the raters.
+
+Framing (tensorflow `core/lib/io/record_writer.cc`, `core/lib/hash/crc32c.h`), per record: the data length as
+uint64 little endian, the masked crc32c of those 8 bytes (uint32 LE), the data, the masked crc32c of the data;
+mask(crc) = rotate right by 15 bits + 0xa282ead8. Both CRCs are checked on read. A bad data CRC loses one record
+and reading goes on (the length was verified); a bad length CRC or a cut file loses the rest of the file.
+
+Messages (proto2, package waymo.open_dataset), from waymo-research/waymo-open-dataset
+`src/waymo_open_dataset/protos/end_to_end_driving_data.proto` (commit e378e5ba5bb8, 2025-04-28) and
+`src/waymo_open_dataset/dataset.proto` (Frame, Context). Only these fields are mirrored, with the official
+numbers and types; the rest (cameras, calibrations, past and future states, intent) are unknown fields here,
+which protobuf skips:
+- E2EDFrame: `frame` = 1 (Frame), `preference_trajectories` = 8 (repeated EgoTrajectoryStates);
+- Frame: `context` = 1 (Context); Context: `name` = 1 (string), the frame name, which the release's JSON
+  records use as `sample_id` (Kaiwen-Hong/Fast-dLLM `fast_ddrive/data/convert_wod_e2e.py`; the release's
+  `fast_ddrive/eval/evaluate_waymo_metrics.py` keys its ground truth on it);
+- EgoTrajectoryStates: `pos_x` = 1, `pos_y` = 2 (repeated float, packed), `preference_score` = 8 (float).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import google_crc32c
+import numpy as np
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError
+
+_HEADER = struct.Struct("<QI")  # length, masked crc of the length
+_CRC = struct.Struct("<I")
+_MASK_DELTA = 0xA282EAD8
+
+
+class CorruptRecord(ValueError):
+    """A TFRecord record that cannot be read: names the file and the record's index (from 0)."""
+
+    def __init__(self, path: Path, index: int, reason: str) -> None:
+        super().__init__(f"{path}: record #{index}: {reason}")
+        self.path, self.index, self.reason = path, index, reason
+
+
+def masked_crc(data: bytes) -> int:
+    """The crc32c of `data` as TFRecord stores it (masked, so that a CRC over stored CRCs does not degenerate)."""
+    crc = google_crc32c.value(data)
+    return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
+
+
+def read_records(path: str | Path) -> Iterator[bytes | CorruptRecord]:
+    """Every record's data in a TFRecord file, in order; a record that fails its checks comes as a CorruptRecord."""
+    path = Path(path)
+    with path.open("rb") as file:
+        index = 0
+        while header := file.read(_HEADER.size):
+            if len(header) < _HEADER.size:
+                yield CorruptRecord(path, index, f"the file ends inside the record header ({len(header)} bytes)")
+                return
+            length, length_crc = _HEADER.unpack(header)
+            if masked_crc(header[:8]) != length_crc:
+                yield CorruptRecord(path, index, "the length fails its CRC; the rest of the file cannot be framed")
+                return
+            body = file.read(length + _CRC.size)
+            if len(body) < length + _CRC.size:
+                yield CorruptRecord(path, index, f"the file ends inside the record ({len(body)} of {length + 4} bytes)")
+                return
+            data = body[:length]
+            if masked_crc(data) != _CRC.unpack(body[length:])[0]:
+                yield CorruptRecord(path, index, "the data fails its CRC")
+            else:
+                yield data
+            index += 1
+
+
+def write_records(path: str | Path, records: Iterable[bytes]) -> int:
+    """Write `records` as a TFRecord file, atomically (a reader never sees half a file); returns the count."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    count = 0
+    with tmp.open("wb") as file:
+        for data in records:
+            length = struct.pack("<Q", len(data))
+            file.write(length + _CRC.pack(masked_crc(length)) + data + _CRC.pack(masked_crc(data)))
+            count += 1
+    os.replace(tmp, path)
+    return count
+
+
+_F = descriptor_pb2.FieldDescriptorProto
+_PACKAGE = "waymo.open_dataset"
+# message -> (field, number, label, type, message type): the official protos' numbers and types.
+_MESSAGES = {
+    "Context": [("name", 1, _F.LABEL_OPTIONAL, _F.TYPE_STRING, None)],
+    "Frame": [("context", 1, _F.LABEL_OPTIONAL, _F.TYPE_MESSAGE, "Context")],
+    "EgoTrajectoryStates": [
+        ("pos_x", 1, _F.LABEL_REPEATED, _F.TYPE_FLOAT, None),
+        ("pos_y", 2, _F.LABEL_REPEATED, _F.TYPE_FLOAT, None),
+        ("preference_score", 8, _F.LABEL_OPTIONAL, _F.TYPE_FLOAT, None),
+    ],
+    "E2EDFrame": [
+        ("frame", 1, _F.LABEL_OPTIONAL, _F.TYPE_MESSAGE, "Frame"),
+        ("preference_trajectories", 8, _F.LABEL_REPEATED, _F.TYPE_MESSAGE, "EgoTrajectoryStates"),
+    ],
+}
+
+
+def _e2ed_frame_class() -> Any:
+    file = descriptor_pb2.FileDescriptorProto(name="fastddrive/wod_e2e_raters.proto", package=_PACKAGE, syntax="proto2")
+    for name, fields in _MESSAGES.items():
+        message = file.message_type.add(name=name)
+        for field, number, label, kind, type_name in fields:
+            spec = message.field.add(name=field, number=number, label=label, type=kind)
+            if type_name:
+                spec.type_name = f".{_PACKAGE}.{type_name}"
+            if label == _F.LABEL_REPEATED and kind == _F.TYPE_FLOAT:
+                spec.options.packed = True  # [packed = true] in the official proto
+    pool = descriptor_pool.DescriptorPool()  # a private pool: no clash with waymo's own classes if imported
+    pool.AddSerializedFile(file.SerializeToString())
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{_PACKAGE}.E2EDFrame"))
+
+
+E2EDFrame = _e2ed_frame_class()
+
+
+def decode_frame(data: bytes) -> tuple[str, list[dict[str, Any]]]:
+    """A serialized E2EDFrame's name and its preference trajectories as `{pos_x, pos_y, preference_score}` dicts.
+
+    Raises ValueError when `data` is not a protobuf message.
+    """
+    try:
+        frame = E2EDFrame.FromString(data)
+    except DecodeError as err:
+        raise ValueError(f"not an E2EDFrame: {err}") from None
+    rated = [
+        {"pos_x": list(t.pos_x), "pos_y": list(t.pos_y), "preference_score": t.preference_score}
+        for t in frame.preference_trajectories
+    ]
+    return frame.frame.context.name, rated
+
+
+def read_frames(path: str | Path) -> Iterator[tuple[str, list[dict[str, Any]]] | CorruptRecord]:
+    """Every E2EDFrame in a TFRecord file as `decode_frame` gives it; an unreadable record comes as a CorruptRecord."""
+    for index, data in enumerate(read_records(path)):
+        if isinstance(data, CorruptRecord):
+            yield data
+            continue
+        try:
+            yield decode_frame(data)
+        except ValueError as err:
+            yield CorruptRecord(Path(path), index, str(err))
+
+
+def encode_frame(name: str, trajectories: Sequence[np.ndarray], scores: Sequence[float]) -> bytes:
+    """An E2EDFrame holding the frame name and R rater trajectories, (T, 2) [m] each, with their R scores (float32)."""
+    frame = E2EDFrame()
+    frame.frame.context.name = name
+    for future, score in zip(trajectories, scores, strict=True):
+        rated = frame.preference_trajectories.add(preference_score=float(score))
+        rated.pos_x.extend(future[:, 0].tolist())
+        rated.pos_y.extend(future[:, 1].tolist())
+    return frame.SerializeToString(deterministic=True)
