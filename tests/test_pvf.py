@@ -42,10 +42,23 @@ from fastddrive.scaffold import Scaffold
 def test_width_one_without_revelation_is_sd(embedded, scenes, tau):
     for scene in scenes:
         sd = embedded.plan(scene, "sd", tau=tau)
-        one = embedded.plan(scene, "pvf", tau=tau, width=1, reveal=0)
+        one = embedded.plan(scene, "pvf", tau=tau, width=1, reveal=0, fuse_write=False)
         assert one.token_ids == sd.token_ids, scene.scenario
         assert one.nfe == sd.nfe and one.accepted_per_step == sd.accepted_per_step
         assert one.extra["branches_verified"] == 0
+
+
+def test_fused_writes_give_sd_ids_in_fewer_forwards(embedded, scenes):
+    """A finished block fed at the head of the next block's first forward is the same block write: `sd`'s
+    ids and steps, one forward less per block that starts with a decided token."""
+    saved = []
+    for scene in scenes:
+        sd = embedded.plan(scene, "sd")
+        fused = embedded.plan(scene, "pvf", width=1, reveal=0, fuse_write=True)
+        assert fused.token_ids == sd.token_ids, scene.scenario
+        assert fused.accepted_per_step == sd.accepted_per_step
+        saved.append(sd.nfe - fused.nfe)
+    assert min(saved) >= 1, saved
 
 
 def test_every_route_answers_validly_on_every_scenario(embedded, scenes):

@@ -31,7 +31,7 @@ from fastddrive.decode.jacobi import DEFAULT_JACOBI_BLOCK
 from fastddrive.decode.jacobi_mr import DEFAULT_MR_BLOCK
 from fastddrive.decode.mdm import DEFAULT_TAU
 from fastddrive.decode.planning_vocabulary import VOCABULARY_FILE
-from fastddrive.decode.pvf import DEFAULT_PLAN_BAND, DEFAULT_REVEAL, DEFAULT_TAU_AR, DEFAULT_WIDTH
+from fastddrive.decode.pvf import DEFAULT_FUSE_WRITE, DEFAULT_PLAN_BAND, DEFAULT_REVEAL, DEFAULT_TAU_AR, DEFAULT_WIDTH
 from fastddrive.decode.quadratic import DEFAULT_QUAD_BLOCK_SIZE
 from fastddrive.decode.tts import DEFAULT_ROLLOUTS, DEFAULT_TEMPERATURE
 from fastddrive.scaffold import DEFAULT_BLOCK_SIZE
@@ -217,6 +217,7 @@ class PlanVerifyFillOptions(DecoderOptions):
     fallback: Boolean = True
     vocabulary: VocabularyPath = None
     block_size: BlockSize = DEFAULT_BLOCK_SIZE
+    fuse_write: Boolean = DEFAULT_FUSE_WRITE
 
     @model_validator(mode="after")
     def _band(self) -> PlanVerifyFillOptions:

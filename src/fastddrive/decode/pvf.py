@@ -17,7 +17,8 @@ least one). Beside it, up to width - 1 drafts are verified in one forward:
   committed, else the base.
 
 The forward that verifies the branches also predicts for the next step (the committed branch's logits are
-the next step's), so a step costs one forward, as a step of `sd` does: width 1 without revelation is `sd`.
+the next step's), so a step costs one forward, as a step of `sd` does: width 1 without revelation or fused
+writes is `sd`.
 The branches ride in the sequence dimension of that forward: the uncached committed head once, then one
 copy of the window per branch that sees the cached prefix, the head's causal part and itself only (a tree
 mask), at the window's own positions. Each copy attends exactly as the same branch drafted alone would, as
@@ -29,7 +30,11 @@ when that block's turn comes, and a block decided whole this way costs no forwar
 revealed block sees the current one, not the other way round, so the current block is predicted exactly
 as without revelation (the paper asks for a conservative expansion; a 64-token bidirectional window gave
 worse trajectories on the embedded model). As in `sd`, a finished block is written to the cache by one
-causal forward, which also gives the AR seed of a next block that starts with an undecided value.
+causal forward, which also gives the AR seed of a next block that starts with an undecided value; when
+the next block starts with a decided token (the scaffold's, or one revealed early) there is no seed to
+read, and with `fuse_write` the finished block is fed causally at the head of the next block's first
+forward instead (the keys and values are the same ones; the forward carries more tokens, there is one
+forward less per block).
 """
 
 from __future__ import annotations
@@ -58,7 +63,12 @@ DEFAULT_WIDTH = 4  # the base branch and 3 drafts in one forward (section 5.1: b
 # early in the 32-token explanation, which the later sections read, and gave worse answers in more forwards.
 DEFAULT_PLAN_BAND = (0.8, 0.9)
 DEFAULT_TAU_AR = 0.1  # Table 5 (GSM8K, MMLU-Pro)
-DEFAULT_REVEAL = 5  # N_s, Table 5 (GSM8K, MMLU-Pro)
+# Off: Table 5's N_s = 5 (GSM8K, MMLU-Pro) let blocks of the merge scenes commit the next block's
+# waypoints before their own were decided (ADE@5s 1.85 against sd's 0.21 m there).
+DEFAULT_REVEAL = 0
+# A finished block's causal write rides along the next block's first forward when that block starts with a
+# decided token, so a block costs its steps and no forward of its own for the write.
+DEFAULT_FUSE_WRITE = True
 
 Fill = tuple[int, int]  # (window index, token) added to the base branch
 
@@ -278,10 +288,17 @@ class BlockWalker:
     a block before its turn."""
 
     def __init__(
-        self, model: BlockDiffusionModel, canvas: Canvas, block_of: BlockOf, tau: float, reveal: int, route: Route
+        self,
+        model: BlockDiffusionModel,
+        canvas: Canvas,
+        block_of: BlockOf,
+        tau: float,
+        reveal: int,
+        route: Route,
+        fuse_write: bool = False,
     ) -> None:
         self.model, self.canvas, self.block_of = model, canvas, block_of
-        self.tau, self.reveal, self.route = tau, reveal, route
+        self.tau, self.reveal, self.route, self.fuse_write = tau, reveal, route, fuse_write
         self.mask_id = canvas.scaffold.mask_id
         self.decided = list(canvas.ids)  # the template with every commitment written in, early ones too
         self.log = ForwardLog()
@@ -299,7 +316,9 @@ class BlockWalker:
                 self.decode_block(start, end)
             canvas.ids[n:end] = self.decided[n:end]
             canvas.committed = end
-            if drafted and end < len(canvas):  # a block with nothing to draft rides along with the next forward
+            # A block with nothing to draft rides along with the next forward; so does a finished one whose
+            # successor starts with a decided token (no AR seed to read), when the write is fused.
+            if drafted and end < len(canvas) and not (self.fuse_write and self.decided[end] != self.mask_id):
                 self.log.tokens.append(end - c)
                 canvas.next_logits = self.model.verify(canvas.cache, canvas.ids[c:end])[-1]
                 canvas.cached = end
@@ -414,21 +433,21 @@ def pvf_decode(
     fallback: bool = True,
     vocabulary: str | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    fuse_write: bool = DEFAULT_FUSE_WRITE,
 ) -> Decoded:
     """`pvf` (paper 001 Algorithm 1) over the scaffold's section-aligned blocks of `block_size`.
 
     tau: tau_high, the base branch's threshold (as `sd`'s tau). width: K, branches per forward with the base
     (1 with reveal 0 is `sd` exactly). plan_low, plan_high: the planning band [tau_plan^l, tau_plan^u).
     tau_ar: tau_AR^l, the fallback's confidence floor. reveal: N_s of early cross-block revelation (0: off).
+    fuse_write: a finished block's write rides along the next block's first forward where it can.
     planning, fallback: switch a route off. vocabulary: the planning vocabulary file (default: the model
     folder's `pvf_vocabulary.json`; read only when planning is on and width > 1). Confidences and
     entropies are those of the slot-restricted distributions every MDM decoder here reads.
 
-    Defaults: tau 0.9 and K = 4 as section 5.1; tau_AR 0.1 and N_s 5 as Table 5's GSM8K rows, N_s kept
-    although blocks here are 32 positions of at most 27 values rather than 64 tokens: the next block is
-    revealed for the last few masks of a long block, and at once beside the 4-value critical-object blocks,
-    so that two of them cost the forwards of one. The planning band is Table 5's (0.8, 0.9) of HumanEval and MATH
-    (see DEFAULT_PLAN_BAND).
+    Defaults: tau 0.9 and K = 4 as section 5.1; tau_AR 0.1 as Table 5's GSM8K rows; revelation off (see
+    DEFAULT_REVEAL: with N_s 5 the merge scenes' waypoints went wrong), fused writes on. The planning band is
+    Table 5's (0.8, 0.9) of HumanEval and MATH (see DEFAULT_PLAN_BAND).
 
     `extra`: decode forwards (the prefill not counted), drafts verified beside a base branch, tokens fed per
     forward (mean, max), steps, and per route the steps that verified drafts, the steps that committed one
@@ -445,7 +464,7 @@ def pvf_decode(
     plan_ids = planning_ids(model, vocabulary) if planning and width > 1 else frozenset()
     route = PlanVerifyFill(width, (plan_low, plan_high), tau_ar, plan_ids, fallback)
     canvas = Canvas.prefill(model, prompt, scaffold)
-    walker = BlockWalker(model, canvas, section_blocks(scaffold, block_size), tau, reveal, route)
+    walker = BlockWalker(model, canvas, section_blocks(scaffold, block_size), tau, reveal, route, fuse_write)
     walker.run()
     extra = {
         **walker.log.to_json(),
