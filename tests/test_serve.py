@@ -170,9 +170,11 @@ def test_the_page_loads_and_its_form_round_trips_one_plan(url, embedded, tagged)
     assert bad.status_code == 422 and {d["loc"][1] for d in bad.json()["detail"]} == {"scene", "frame"}
 
 
-def test_health_readiness_metrics_and_docs(url):
+def test_health_readiness_metrics_and_docs(url, tagged):
     assert httpx.get(url + "/healthz").json() == {"status": "ok"}
     assert httpx.get(url + "/readyz").json()["status"] == "ready"
+    for decoder in ("ss", "ar"):  # so that both decoders' series exist, whatever ran before
+        assert httpx.post(url + "/v1/plan", json=tagged[1][1] | {"decoder": decoder}, timeout=60).status_code == 200
     metrics = httpx.get(url + "/metrics").text
     for name in ("fastddrive_plan_requests_total", "fastddrive_plan_latency_seconds_bucket", "fastddrive_queue_depth"):
         assert name in metrics
@@ -180,7 +182,9 @@ def test_health_readiness_metrics_and_docs(url):
         'fastddrive_nfe_count{decoder="ss"}' in metrics and 'fastddrive_tokens_per_forward_sum{decoder="ar"}' in metrics
     )
     assert "/v1/plan" in httpx.get(url + "/openapi.json").json()["paths"]
-    assert httpx.get(url + "/docs").status_code == 200
+    docs = httpx.get(url + "/docs")
+    assert docs.status_code == 200 and "cdn" not in docs.text  # offline: the page's scripts are served here
+    assert httpx.get(url + "/docs-assets/swagger-ui-bundle.js").status_code == 200
 
 
 def test_sigterm_during_a_burst_finishes_in_flight_refuses_new_and_exits_0(embedded, tagged):

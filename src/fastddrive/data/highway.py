@@ -186,7 +186,8 @@ def route_turn_rad(vehicle: IDMVehicle, lookahead_m: float = ROUTE_LOOKAHEAD_M) 
     return float(-(unwrapped[-1] - unwrapped[0]))  # world y points down: clockwise is a right turn
 
 
-def _state(vehicle: Any) -> VehicleState:
+def vehicle_state(vehicle: Any) -> VehicleState:
+    """A highway-env vehicle's state, copied (world frame of the simulator)."""
     return VehicleState(
         position=np.array(vehicle.position, dtype=float),
         heading=float(vehicle.heading),
@@ -254,12 +255,12 @@ def simulate_episode(
             alive.update((id(v), v) for v in sim.road.vehicles)
             step = Step(
                 time_s=float(sim.time),
-                ego=_state(expert),
+                ego=vehicle_state(expert),
                 lane_change=_lane_change(expert, lane, expert.lane_index),
                 yielding=bool(getattr(expert, "is_yielding", False)),
                 route_turn_rad=route_turn_rad(expert),
                 lane_heading=float(expert.lane.heading_at(expert.lane.local_coordinates(expert.position)[0])),
-                others={id(v): _state(v) for v in sim.road.vehicles if v is not expert},
+                others={id(v): vehicle_state(v) for v in sim.road.vehicles if v is not expert},
             )
             lane = expert.lane_index
             if k % SAMPLE_EVERY_STEPS == 0 and k >= (HISTORY_STEPS - 1) * HISTORY_STRIDE:
@@ -312,19 +313,26 @@ def sample_steps(log: EpisodeLog) -> list[int]:
     return [k for k in range(first, last + 1) if k % SAMPLE_EVERY_STEPS == 0 and log.steps[k].frame is not None]
 
 
+def ego_history(egos: list[VehicleState]) -> np.ndarray:
+    """The planner's (7, 6) history at the last of `egos` (ego states every 0.25 s, at least 13 of them):
+    x, y, vx, vy, ax, ay at t = -3.0..0.0 s every 0.5 s, in the ego frame of the last state."""
+    k = len(egos) - 1
+    origin, heading = egos[k].position, egos[k].heading
+    dt = 1.0 / STEP_HZ
+    past = range(k - (HISTORY_STEPS - 1) * HISTORY_STRIDE, k + 1, HISTORY_STRIDE)
+    positions = _to_ego(np.array([egos[j].position for j in past]), origin, heading)
+    velocities = _rotate_to_ego(np.array([egos[j].velocity for j in past]), heading)
+    # Backward differences: the acceleration at t = 0 must not peek into the future.
+    accel_world = np.array([(egos[j].velocity - egos[max(j - 1, 0)].velocity) / dt for j in past])
+    return np.concatenate([positions, velocities, _rotate_to_ego(accel_world, heading)], axis=1)
+
+
 def build_sample(log: EpisodeLog, k: int) -> DrivingSample:
     """The sample at step k of an episode: frame, history, command, expert future and target answer."""
     steps = log.steps
     now = steps[k].ego
     origin, heading = now.position, now.heading
-    dt = 1.0 / STEP_HZ
-
-    past = range(k - (HISTORY_STEPS - 1) * HISTORY_STRIDE, k + 1, HISTORY_STRIDE)
-    positions = _to_ego(np.array([steps[j].ego.position for j in past]), origin, heading)
-    velocities = _rotate_to_ego(np.array([steps[j].ego.velocity for j in past]), heading)
-    # Backward differences: the acceleration at t = 0 must not peek into the future.
-    accel_world = np.array([(steps[j].ego.velocity - steps[max(j - 1, 0)].ego.velocity) / dt for j in past])
-    history = np.concatenate([positions, velocities, _rotate_to_ego(accel_world, heading)], axis=1)
+    history = ego_history([step.ego for step in steps[: k + 1]])
 
     ahead = range(k + 1, k + FUTURE_STEPS + 1)
     future = _to_ego(np.array([steps[j].ego.position for j in ahead]), origin, heading)

@@ -20,8 +20,11 @@ from typing import Annotated, Any
 import uvicorn
 from fastapi import FastAPI, File, Form, HTTPException, Response, UploadFile
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
+from swagger_ui_bundle import swagger_ui_path
 
 from fastddrive import __version__
 from fastddrive.data.sample import NAV_COMMANDS, DrivingDataset, DrivingSample, SampleError, encode_png
@@ -65,8 +68,20 @@ def create_app(
         version=__version__,
         lifespan=lifespan,
         description="Camera frames, ego history and a navigation command in; a structured driving answer out.",
+        docs_url=None,  # served below from the swagger-ui-bundle package: FastAPI's own page loads a CDN
     )
     app.state.worker = worker
+    app.mount("/docs-assets", StaticFiles(directory=swagger_ui_path), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    def docs() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url,
+            title=f"{app.title}: API",
+            swagger_js_url="/docs-assets/swagger-ui-bundle.js",
+            swagger_css_url="/docs-assets/swagger-ui.css",
+            swagger_favicon_url="/docs-assets/favicon-32x32.png",
+        )
 
     app.add_middleware(PlanTiming, metrics=metrics)
 

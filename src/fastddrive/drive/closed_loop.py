@@ -1,0 +1,278 @@
+"""One closed-loop episode: the planner drives highway-env while it thinks.
+
+The episode starts as the data generator's do (same environment, seed, expert, route and desired speed)
+and the expert drives the first HANDOVER_S, so that the planner's first question comes with a full 3 s
+history, as the data's first sample does. Then a TrackedVehicle takes the ego seat. Every `replan_s` of
+simulated time at which the planner is free, it gets the frame, the history and the command; its answer
+comes into force `latency` later on the simulation clock (at the first 1/12 s simulator step at or after
+that), the plan in force being followed meanwhile. Until the first answer arrives the car holds its
+hand-over velocity (a constant-velocity plan): a slow decoder pays for its first answer as for the others.
+
+The episode ends on a collision, off the road (the ego's centre outside the nearest lane, sideways), at
+the route's goal, or at the scenario's duration. The state is recorded every 0.25 s.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from highway_env.vehicle.controller import ControlledVehicle
+from highway_env.vehicle.kinematics import Vehicle
+
+from fastddrive.data.expert import STEP_HZ, ExpertVehicle
+from fastddrive.data.highway import (
+    FRAME_SIZE_PX,
+    HISTORY_STRIDE,
+    SCENARIOS,
+    SIMULATION_HZ,
+    command_of,
+    ego_history,
+    install_expert,
+    make_env,
+    route_turn_rad,
+    vehicle_state,
+)
+from fastddrive.data.sample import HISTORY_STEPS
+from fastddrive.drive.controller import TrackingController
+from fastddrive.drive.metrics import lead_ttc_s
+from fastddrive.drive.plan import TimedPath, to_ego
+from fastddrive.drive.policies import EXPERT_DRIVES, Observation, Policy, Proposal
+from fastddrive.drive.route import Route
+from fastddrive.eval.metrics import constant_velocity_m
+from fastddrive.schema import NUM_WAYPOINTS, WAYPOINT_INTERVAL_S
+
+HANDOVER_S = (HISTORY_STEPS - 1) * HISTORY_STRIDE / STEP_HZ  # 3 s: the planner's history is full
+RECORD_S = 1.0 / STEP_HZ
+END_REASONS = ("goal", "collision", "offroad", "timeout")
+_EPS = 1e-9
+
+
+class TrackedVehicle(ControlledVehicle):
+    """The ego under closed-loop control: highway-env's bicycle model, steered and accelerated by a
+    TrackingController along the plan in force, never by highway-env's own controllers.
+
+    It is a ControlledVehicle with the expert's route, dropping roads as it leaves them as the expert does,
+    so that the traffic's right-of-way rules predict it along its route as they did the expert (and the
+    navigation command and the expert's rollouts read that route)."""
+
+    color = ExpertVehicle.color  # drawn in the ego colour, as the data's expert
+
+    def __init__(self, road: Any, driver: ControlledVehicle, controller: TrackingController, clock_s: float) -> None:
+        route = list(driver.route or [])
+        super().__init__(road, driver.position.copy(), driver.heading, driver.speed, target_speed=1.0, route=route)
+        self.target_speed = driver.target_speed  # not read here, but the right-of-way rules change it
+        self.crashed = driver.crashed
+        self.controller = controller
+        self.clock_s = clock_s
+        self.plans: list[tuple[float, TimedPath]] = []  # (time it comes into force, path), in that order
+        self.in_force_s: list[float | None] = []  # the simulator time each plan actually took over
+
+    def schedule(self, active_s: float, path: TimedPath) -> None:
+        self.plans.append((active_s, path))
+        self.in_force_s.append(None)
+
+    def plan_index(self, time_s: float) -> int | None:
+        """The plan in force at `time_s`: the last one scheduled to be in force by then."""
+        due = [i for i, (active_s, _) in enumerate(self.plans) if active_s <= time_s + _EPS]
+        return due[-1] if due else None
+
+    def act(self, action: Any = None) -> None:
+        # The environment's own action (IDLE) is ignored: the controller drives.
+        k = self.plan_index(self.clock_s)
+        if k is None:
+            self.action = {"steering": 0.0, "acceleration": 0.0}
+            return
+        if self.in_force_s[k] is None:
+            self.in_force_s[k] = self.clock_s
+        path = self.plans[k][1]
+        self.action = {
+            "steering": self.controller.steering_rad(self.position, self.heading, self.speed, path),
+            "acceleration": self.controller.accel_mps2(self.speed, path, self.clock_s, 1.0 / SIMULATION_HZ),
+        }
+
+    def step(self, dt: float) -> None:
+        super().step(dt)
+        self.clock_s += dt
+
+    def on_state_update(self) -> None:
+        super().on_state_update()
+        self.target_lane_index = self.lane_index
+        edges = [r[:2] for r in self.route or []]
+        if self.lane_index[:2] in edges:
+            self.route = self.route[edges.index(self.lane_index[:2]) :]
+
+
+def take_over(sim: Any, driver: ControlledVehicle, controller: TrackingController) -> TrackedVehicle:
+    """Put a TrackedVehicle in `driver`'s seat, in its state."""
+    car = TrackedVehicle(sim.road, driver, controller, float(sim.time))
+    sim.road.vehicles[sim.road.vehicles.index(driver)] = car
+    sim.controlled_vehicles[0] = car
+    return car
+
+
+@dataclass
+class PlanEvent:
+    """One answer: asked at `asked_s`, due at `due_s` (asked + charged latency), in force from `active_s`
+    (None if the episode ended first or the answer was unusable)."""
+
+    asked_s: float
+    due_s: float
+    active_s: float | None
+    charged_ms: float
+    measured_ms: float
+    wall_s: float  # this machine's wall time for the whole call (prompt building included)
+    valid: bool
+
+
+@dataclass
+class EpisodeTrace:
+    """What one episode did, recorded every 0.25 s from the hand-over (world frame: x right, y down)."""
+
+    scenario: str
+    seed: int
+    label: str
+    goal_m: float
+    time_s: list[float] = field(default_factory=list)
+    position_m: list[np.ndarray] = field(default_factory=list)
+    heading_rad: list[float] = field(default_factory=list)
+    speed_mps: list[float] = field(default_factory=list)
+    ttc_s: list[float] = field(default_factory=list)
+    progress_m: list[float] = field(default_factory=list)
+    end_reason: str = ""  # one of END_REASONS once the episode is over
+    plans: list[PlanEvent] = field(default_factory=list)
+    # With video: the frame at each record and the world points of the plan in force and of the one due next.
+    frames: list[np.ndarray] = field(default_factory=list)
+    overlays: list[tuple[np.ndarray | None, np.ndarray | None]] = field(default_factory=list)
+    pixels_per_metre: float = 0.0
+    ego_pixel: tuple[float, float] = (0.0, 0.0)
+
+
+def _off_road(car: Vehicle) -> bool:
+    """The ego's centre is outside the nearest lane, sideways (past a road's end the world just stops)."""
+    along, across = car.lane.local_coordinates(car.position)
+    return bool(abs(across) > car.lane.width_at(along) / 2)
+
+
+def _ttc_s(sim: Any, car: Vehicle) -> float:
+    others = [v for v in sim.road.vehicles if v is not car]
+    if not others:
+        return math.inf
+    heading = car.heading
+    positions = to_ego(np.array([v.position for v in others]), car.position, heading)
+    velocities = to_ego(np.array([v.velocity for v in others]), np.zeros(2), heading)
+    sizes = np.array([(v.LENGTH, v.WIDTH) for v in others])
+    return lead_ttc_s(positions, velocities[:, 0], sizes, car.speed, (car.LENGTH, car.WIDTH))
+
+
+def _plans_shown(car: Vehicle, now: float) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """World points of the plan in force and of the next one due (None where there is none)."""
+    if not isinstance(car, TrackedVehicle):
+        return None, None
+    k = car.plan_index(now)
+    due = [path for active_s, path in car.plans if active_s > now + _EPS]
+    return None if k is None else car.plans[k][1].points_m, due[0].points_m if due else None
+
+
+def _end_reason(car: Vehicle, at_goal: bool, out_of_time: bool) -> str:
+    """Why the episode ends here ('' while it goes on); a crash counts before the rest."""
+    if car.crashed:
+        return "collision"
+    if _off_road(car):
+        return "offroad"
+    return "goal" if at_goal else "timeout" if out_of_time else ""
+
+
+def _next_ask_s(asked_s: float, due_s: float, replan_s: float) -> float:
+    """The first replanning tick after `asked_s` at which the planner is free again."""
+    ticks = max(1, math.ceil((due_s - asked_s) / replan_s - 1e-6))
+    return asked_s + ticks * replan_s
+
+
+def drive_episode(
+    scenario: str,
+    seed: int,
+    policy: Policy | None,
+    latency_ms: Callable[[Proposal], float],
+    replan_s: float = 0.5,
+    duration_s: float | None = None,
+    video: bool = False,
+    controller: TrackingController | None = None,
+) -> EpisodeTrace:
+    """Drive one seeded episode of `scenario` with `policy` (None: the expert keeps the seat); each answer
+    costs `latency_ms(proposal)` of simulated time."""
+    spec = SCENARIOS[scenario]
+    duration = spec.max_duration_s if duration_s is None else duration_s
+    env = make_env(scenario)
+    try:
+        env.reset(seed=seed)
+        sim = env.unwrapped
+        expert = install_expert(env, spec, np.random.default_rng(seed))
+        idle = sim.action_type.actions_indexes["IDLE"]
+        egos = [vehicle_state(expert)]
+        while sim.time < HANDOVER_S - _EPS:
+            sim.step(idle)
+            egos.append(vehicle_state(expert))
+        route = Route.ahead_of(expert, duration - sim.time)
+        label = EXPERT_DRIVES if policy is None else policy.label
+        trace = EpisodeTrace(scenario, seed, label, route.goal_m, pixels_per_metre=float(sim.config["scaling"]))
+        centering = sim.config["centering_position"]
+        trace.ego_pixel = (centering[0] * FRAME_SIZE_PX[0], centering[1] * FRAME_SIZE_PX[1])
+        car = expert if policy is None else take_over(sim, expert, controller or TrackingController())
+        if policy is not None:
+            policy.start(expert)
+            history = ego_history(egos)
+            hold = constant_velocity_m(history, NUM_WAYPOINTS, WAYPOINT_INTERVAL_S)
+            car.schedule(
+                sim.time, TimedPath.from_waypoints(hold, history[-1, 2:4], car.position, car.heading, sim.time)
+            )
+        ask_s, progress = float(sim.time), 0.0
+        while True:
+            now = float(sim.time)
+            progress = route.progress_m(car.position, progress)
+            trace.time_s.append(now)
+            trace.position_m.append(car.position.copy())
+            trace.heading_rad.append(float(car.heading))
+            trace.speed_mps.append(float(car.speed))
+            trace.ttc_s.append(_ttc_s(sim, car))
+            trace.progress_m.append(progress)
+            if video:
+                trace.frames.append(env.render())
+                trace.overlays.append(_plans_shown(car, now))
+            trace.end_reason = _end_reason(car, progress >= route.goal_m, now >= duration - _EPS)
+            if trace.end_reason:
+                break
+            if policy is not None and now >= ask_s - _EPS:
+                observation = Observation(
+                    time_s=now,
+                    frame=env.render(),
+                    history=ego_history(egos),
+                    command=command_of(route_turn_rad(car)),
+                    position_m=car.position.copy(),
+                    heading_rad=float(car.heading),
+                    sim=sim,
+                )
+                began = time.perf_counter()
+                proposal = policy.propose(observation)
+                wall_s = time.perf_counter() - began
+                charged = float(latency_ms(proposal))
+                due_s = now + charged / 1000.0
+                valid = proposal.waypoints_m is not None
+                if valid:
+                    state = (observation.history[-1, 2:4], observation.position_m, observation.heading_rad)
+                    car.schedule(due_s, TimedPath.from_waypoints(proposal.waypoints_m, *state, now))
+                trace.plans.append(PlanEvent(now, due_s, None, charged, proposal.measured_ms, wall_s, valid))
+                ask_s = _next_ask_s(now, due_s, replan_s)
+            sim.step(idle)
+            egos.append(vehicle_state(car))
+        if isinstance(car, TrackedVehicle):
+            in_force = iter(car.in_force_s[1:])  # the first is the hand-over plan
+            for event in (e for e in trace.plans if e.valid):
+                event.active_s = next(in_force)
+        return trace
+    finally:
+        env.close()

@@ -1,0 +1,98 @@
+"""Closed-loop driving metrics: pure functions on arrays (metres, seconds, m/s).
+
+Driving score, in the style of the CARLA leaderboard: route completion times one penalty factor per
+infraction, multiplied for every occurrence,
+    driving_score = route_completion x 0.60^collisions x 0.65^off_roads x 0.90^ttc_violations
+with the leaderboard's factor for a collision with a vehicle (0.60) and for leaving the road its factor for
+hitting the static world (0.65); a collision or leaving the road also ends the episode, so its route
+completion stops there. A time-to-collision violation (a stretch of time with TTC below TTC_LIMIT_S to the
+nearest car ahead in the ego's path) costs 0.90: the leaderboard has no such infraction, the factor is ours.
+Route completion is the fraction of the route's goal reached (route.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+TTC_LIMIT_S = 1.5
+PENALTIES = {"collision": 0.60, "offroad": 0.65, "ttc_violation": 0.90}
+
+
+def lead_ttc_s(
+    positions_m: np.ndarray,
+    forward_speed_mps: np.ndarray,
+    sizes_m: np.ndarray,
+    ego_speed_mps: float,
+    ego_size_m: tuple[float, float],
+) -> float:
+    """Time to collision with the nearest car in the ego's path: other cars' centres (N, 2) and speeds along
+    the ego's heading (N,) in the ego frame (+x forward, +y left), their (length, width) (N, 2). A car is
+    in the path when it is ahead and the two footprints overlap sideways; inf when no car closes in."""
+    if len(positions_m) == 0:
+        return math.inf
+    ego_length, ego_width = ego_size_m
+    ahead = (positions_m[:, 0] > 0) & (np.abs(positions_m[:, 1]) < (ego_width + sizes_m[:, 1]) / 2)
+    gap = np.maximum(positions_m[:, 0] - (ego_length + sizes_m[:, 0]) / 2, 0.0)
+    closing = ego_speed_mps - forward_speed_mps
+    ttc = np.where(ahead & (closing > 0), gap / np.where(closing > 0, closing, 1.0), np.inf)
+    return float(ttc.min())
+
+
+def longitudinal_jerk_mps3(speed_mps: np.ndarray, dt_s: float) -> np.ndarray:
+    """Second differences of the speed: (T - 2,) jerk values."""
+    return np.diff(np.asarray(speed_mps, dtype=float), n=2) / dt_s**2
+
+
+def lateral_accel_mps2(speed_mps: np.ndarray, heading_rad: np.ndarray, dt_s: float) -> np.ndarray:
+    """Speed times turn rate: (T - 1,) values."""
+    turn_rate = np.diff(np.unwrap(np.asarray(heading_rad, dtype=float))) / dt_s
+    return np.asarray(speed_mps, dtype=float)[1:] * turn_rate
+
+
+def count_events(flags: np.ndarray) -> int:
+    """How many separate stretches of True there are."""
+    padded = np.concatenate([[False], np.asarray(flags, dtype=bool)])
+    return int(np.count_nonzero(padded[1:] & ~padded[:-1]))
+
+
+def route_completion(progress_m: float, goal_m: float) -> float:
+    return float(min(1.0, progress_m / goal_m)) if goal_m > 0 else 1.0
+
+
+def driving_score(completion: float, infractions: Mapping[str, int]) -> float:
+    """Route completion times PENALTIES[kind] ** count for every kind of infraction."""
+    return float(completion * math.prod(PENALTIES[kind] ** count for kind, count in infractions.items()))
+
+
+def episode_metrics(
+    speed_mps: np.ndarray,
+    heading_rad: np.ndarray,
+    ttc_s: np.ndarray,
+    progress_m: np.ndarray,
+    goal_m: float,
+    end_reason: str,
+    dt_s: float,
+) -> dict[str, float]:
+    """The metrics of one episode from its records every `dt_s` seconds."""
+    infractions = {
+        "collision": int(end_reason == "collision"),
+        "offroad": int(end_reason == "offroad"),
+        "ttc_violation": count_events(np.asarray(ttc_s) < TTC_LIMIT_S),
+    }
+    completion = route_completion(float(np.max(progress_m)), goal_m)
+    jerk = longitudinal_jerk_mps3(speed_mps, dt_s)
+    lateral = lateral_accel_mps2(speed_mps, heading_rad, dt_s)
+    return {
+        "collision": float(infractions["collision"]),
+        "offroad": float(infractions["offroad"]),
+        "route_completion": completion,
+        "driving_score": driving_score(completion, infractions),
+        "mean_speed_mps": float(np.mean(speed_mps)),
+        "jerk_mps3": float(np.mean(np.abs(jerk))) if len(jerk) else 0.0,
+        "lat_accel_mps2": float(np.mean(np.abs(lateral))) if len(lateral) else 0.0,
+        "ttc_violations": float(infractions["ttc_violation"]),
+        "driven_s": dt_s * (len(speed_mps) - 1),
+    }

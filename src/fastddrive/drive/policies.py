@@ -1,0 +1,141 @@
+"""Who plans: a decoder of the loaded model, or a reference planner.
+
+A policy answers an Observation with a Proposal: 5 ego-frame waypoints at t = 1..5 s (or none, when the
+answer does not parse) and what the answer cost. The decoder policy only sees what a car would have: the
+frame, the ego history and the navigation command. The references are the yardsticks of the table:
+- expert-drives: no planner at all, the simulator's IDM/MOBIL driver keeps the seat (the data's own episode;
+  closed_loop.drive_episode with no policy);
+- expert-plans: that driver rolled out for 5 s from the current state in a copy of the simulator, its
+  positions at 1..5 s followed like any answer; an oracle (it reads the whole world) whose answers cost no
+  time. Its gap to expert-drives is what 1 s waypoints, replanning and tracking cost by themselves;
+- constant-velocity: the current velocity held for 5 s (no turn, no braking), the floor.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from fastddrive.data.expert import STEP_HZ, ExpertVehicle
+from fastddrive.drive.plan import to_ego
+from fastddrive.eval.metrics import constant_velocity_m
+from fastddrive.planner import Planner
+from fastddrive.schema import NUM_WAYPOINTS, WAYPOINT_INTERVAL_S
+
+EXPERT_DRIVES, EXPERT_PLANS, CONSTANT_VELOCITY = "expert-drives", "expert-plans", "constant-velocity"
+REFERENCES = (EXPERT_DRIVES, EXPERT_PLANS, CONSTANT_VELOCITY)
+ROLLOUT_RADIUS_M = 150.0  # 5 s at a 30 m/s closing speed
+DECISION = ("target_lane_index", "timer", "target_speed", "is_yielding", "yield_timer")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the planner is given at `time_s`, and the pose its answer is relative to (world frame)."""
+
+    time_s: float
+    frame: np.ndarray  # (224, 448, 3) uint8, the data's camera
+    history: np.ndarray  # (7, 6), as PlanInputs.history
+    command: str
+    position_m: np.ndarray
+    heading_rad: float
+    sim: Any  # the live simulator: only the expert, an oracle, reads it
+
+
+@dataclass(frozen=True)
+class Proposal:
+    waypoints_m: np.ndarray | None  # (5, 2) ego frame at the observation; None: no usable answer
+    measured_ms: float  # the decoder's own prefill + decode time; 0 for a reference
+    error: str | None = None
+
+
+class Policy(Protocol):
+    label: str
+    decoder: str | None  # the decoder spec, None for a reference planner
+
+    def start(self, expert: ExpertVehicle) -> None:
+        """A new episode: `expert` is the driver the car takes over from."""
+
+    def propose(self, observation: Observation) -> Proposal: ...
+
+
+class DecoderPolicy:
+    """One decoder of a loaded planner, with its options."""
+
+    def __init__(self, planner: Planner, spec: str, name: str, options: dict[str, object]) -> None:
+        self.planner, self.name, self.options = planner, name, options
+        self.label = self.decoder = spec
+
+    def start(self, expert: ExpertVehicle) -> None:
+        return None
+
+    def propose(self, observation: Observation) -> Proposal:
+        result = self.planner.plan(
+            decoder=self.name,
+            images=[observation.frame],
+            history=observation.history,
+            command=observation.command,
+            **self.options,
+        )
+        waypoints = None if result.response is None else np.array(result.response.trajectory, dtype=float)
+        return Proposal(waypoints, result.latency_ms, result.error)
+
+
+class ConstantVelocityPolicy:
+    label, decoder = CONSTANT_VELOCITY, None
+
+    def start(self, expert: ExpertVehicle) -> None:
+        return None
+
+    def propose(self, observation: Observation) -> Proposal:
+        return Proposal(constant_velocity_m(observation.history, NUM_WAYPOINTS, WAYPOINT_INTERVAL_S), 0.0)
+
+
+class _NoObservation:
+    def observe(self) -> None:
+        return None
+
+
+class ExpertPolicy:
+    """The IDM/MOBIL expert rolled out for 5 s in a copy of the simulator. Its decisions carry over from one
+    answer to the next, as they would in the expert's own drive: the lane it is changing to, MOBIL's timer,
+    and the desired speed and yielding state that the intersection's right-of-way rules set on it."""
+
+    label, decoder = EXPERT_PLANS, None
+
+    def __init__(self, replan_s: float) -> None:
+        self.replan_steps = round(replan_s * STEP_HZ)
+        self.decision: dict[str, Any] = {}  # DECISION attributes of the expert at the next question
+
+    def start(self, expert: ExpertVehicle) -> None:
+        self.decision = {name: getattr(expert, name) for name in DECISION if hasattr(expert, name)}
+
+    def propose(self, observation: Observation) -> Proposal:
+        world = copy.deepcopy(observation.sim)  # highway-env copies leave the viewer out; the RNG is copied
+        world.observation_type = _NoObservation()  # nobody reads it
+        car = world.vehicle
+        driver = ExpertVehicle(
+            world.road, car.position.copy(), heading=car.heading, speed=car.speed, route=list(car.route)
+        )
+        for name, value in self.decision.items():
+            if name != "target_lane_index" or value[:2] == car.lane_index[:2]:
+                setattr(driver, name, value)
+        # Cars that cannot reach the expert within the 5 s are left out: the copy then steps several times faster.
+        world.road.vehicles = [
+            driver if v is car else v
+            for v in world.road.vehicles
+            if np.linalg.norm(v.position - car.position) < ROLLOUT_RADIUS_M
+        ]
+        world.controlled_vehicles[0] = driver
+        idle = world.action_type.actions_indexes["IDLE"]
+        positions = []
+        every = round(WAYPOINT_INTERVAL_S * STEP_HZ)
+        for k in range(1, NUM_WAYPOINTS * every + 1):
+            world.step(idle)
+            if k == self.replan_steps:
+                self.decision = {name: getattr(driver, name) for name in DECISION if hasattr(driver, name)}
+            if k % every == 0:
+                positions.append(driver.position.copy())
+        return Proposal(to_ego(np.array(positions), observation.position_m, observation.heading_rad), 0.0)

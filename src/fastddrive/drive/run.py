@@ -1,0 +1,317 @@
+"""A closed-loop run: settings checked before any costly work, every planner on the same episodes, each
+episode's result written atomically as it finishes, so that Ctrl-C keeps what is done and a re-run with the
+same settings resumes; then the rows, the table and the PNG summary.
+
+Episode j of scenario s uses the seed the data generator gives its episode i = j * 5 + (the index of s in
+SCENARIOS) for `seed` (seed * 100000 + i), whichever scenarios are chosen. The default seed, 7, is none
+the embedded model was trained on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from fastddrive.data.build import SEED_STRIDE
+from fastddrive.data.highway import FRAME_SIZE_PX, SCENARIOS, check_scenarios
+from fastddrive.data.sample import HISTORY_COLUMNS, HISTORY_STEPS, write_atomically
+from fastddrive.decode.registry import parse_decoder_spec, split_decoders
+from fastddrive.drive import DriveError
+from fastddrive.drive.closed_loop import HANDOVER_S, RECORD_S, EpisodeTrace, drive_episode
+from fastddrive.drive.latency import Latency, parse_latency
+from fastddrive.drive.metrics import episode_metrics
+from fastddrive.drive.policies import (
+    CONSTANT_VELOCITY,
+    EXPERT_DRIVES,
+    EXPERT_PLANS,
+    REFERENCES,
+    ConstantVelocityPolicy,
+    DecoderPolicy,
+    ExpertPolicy,
+    Policy,
+)
+from fastddrive.drive.summary import draw_summary, summarise
+from fastddrive.drive.video import write_gif
+from fastddrive.planner import Planner
+from fastddrive.schema import NUM_WAYPOINTS, WAYPOINT_INTERVAL_S
+
+RESULT_VERSION = 1  # bump when an episode's result would change for the same settings: old ones are not reused
+MAX_REPLAN_S = NUM_WAYPOINTS * WAYPOINT_INTERVAL_S  # a plan covers 5 s
+
+
+class DriveSettings(BaseModel):
+    """A run's settings, checked; `check_settings` builds it from user input."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    model: str = "default"
+    decoders: tuple[str, ...] = ("ss",)
+    scenarios: tuple[str, ...] = tuple(SCENARIOS)
+    episodes: int = Field(1, ge=1, le=SEED_STRIDE // len(SCENARIOS))
+    seed: int = Field(7, ge=0)
+    latency: Latency = Latency("measured")
+    replan_s: float = 0.5
+    duration_s: float | None = None  # None: each scenario's own duration (40 s; the intersection 25 s)
+    references: bool = True
+    device: str = "cpu"
+    out: Path = Path("runs/drive")
+    video: Path | None = None
+
+    @field_validator("replan_s")
+    @classmethod
+    def _replan(cls, value: float) -> float:
+        steps = value / RECORD_S
+        if not 0 < value <= MAX_REPLAN_S or abs(steps - round(steps)) > 1e-9:
+            raise ValueError(f"must be a positive multiple of {RECORD_S} s, at most {MAX_REPLAN_S} s; got {value}")
+        return value
+
+    @field_validator("duration_s")
+    @classmethod
+    def _duration(cls, value: float | None) -> float | None:
+        if value is not None and not value > HANDOVER_S + RECORD_S:
+            raise ValueError(f"must leave driving time after the {HANDOVER_S} s hand-over, got {value}")
+        return value
+
+    @property
+    def labels(self) -> list[str]:
+        return [*self.decoders, *(REFERENCES if self.references else ())]
+
+
+def _names(value: str | Sequence[str]) -> list[str]:
+    return [v.strip() for v in value.split(",")] if isinstance(value, str) else [v.strip() for v in value]
+
+
+def check_settings(
+    *,
+    decoders: str | Sequence[str] = "ss",
+    scenarios: str | Sequence[str] = tuple(SCENARIOS),
+    latency: str = "measured",
+    device: str = "cpu",
+    **fields: Any,
+) -> DriveSettings:
+    """Every setting checked before anything is simulated or loaded. The first problem raises one line:
+    DecoderError (a decoder or its options), UnknownScenario, LatencyError, DeviceError, DriveError (the rest)."""
+    from fastddrive.model_files import check_device  # torch and the model code: only to check a device
+
+    specs = split_decoders(decoders) if isinstance(decoders, str) else [s.strip() for s in decoders]
+    for spec in specs:
+        parse_decoder_spec(spec)
+    names = check_scenarios(_names(scenarios))
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise DriveError(f"scenario {twice[0]!r} is named twice")
+    parsed = parse_latency(latency, specs)
+    if specs:
+        check_device(device)
+    try:
+        settings = DriveSettings(decoders=tuple(specs), scenarios=tuple(names), latency=parsed, device=device, **fields)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise DriveError(f"{where}: {str(first['msg']).removeprefix('Value error, ')}") from None
+    if not settings.labels:
+        raise DriveError("nothing to drive: no decoder and no reference planners")
+    return settings
+
+
+@dataclass(frozen=True)
+class Job:
+    label: str
+    decoder: str | None  # None for a reference planner
+    scenario: str
+    seed: int
+
+
+@dataclass
+class EpisodeOutcome:
+    job: Job
+    result: dict[str, Any] | None
+    error: str | None = None  # the traceback of an episode that crashed
+
+
+@dataclass
+class DriveReport:
+    settings: DriveSettings
+    rows: list[dict[str, Any]]
+    outcomes: list[EpisodeOutcome]
+    summary_png: Path
+    seconds: float
+    failures: list[EpisodeOutcome] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        s = self.settings
+        settings = {
+            "model": s.model,
+            "decoders": list(s.decoders),
+            "scenarios": list(s.scenarios),
+            "episodes": s.episodes,
+            "seed": s.seed,
+            "latency": s.latency.mode,
+            "fixed_ms": s.latency.fixed_ms,
+            "replan_s": s.replan_s,
+            "duration_s": s.duration_s,
+            "device": s.device,
+        }
+        return {"settings": settings, "rows": self.rows}
+
+
+def episode_seed(seed: int, scenario: str, episode: int) -> int:
+    return seed * SEED_STRIDE + episode * len(SCENARIOS) + list(SCENARIOS).index(scenario)
+
+
+def plan_jobs(settings: DriveSettings) -> list[Job]:
+    """Episode-major, so that an interrupted run has every planner on the same finished episodes."""
+    decoders = set(settings.decoders)
+    return [
+        Job(label, label if label in decoders else None, scenario, episode_seed(settings.seed, scenario, j))
+        for j in range(settings.episodes)
+        for scenario in settings.scenarios
+        for label in settings.labels
+    ]
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.=-]+", "_", text)
+
+
+def result_path(settings: DriveSettings, job: Job) -> Path:
+    """Where a job's result lives: named by everything the result depends on (references do not depend on
+    the model or the latency, so a run under another latency reuses them)."""
+    key = {
+        "version": RESULT_VERSION,
+        "label": job.label,
+        "scenario": job.scenario,
+        "seed": job.seed,
+        "replan_s": settings.replan_s,
+        "duration_s": settings.duration_s,
+        "latency": settings.latency.describe(job.decoder),
+    }
+    if job.decoder is not None:
+        key |= {"model": settings.model, "device": settings.device}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return settings.out / "episodes" / f"{_safe(job.label)}-{job.scenario}-{job.seed}-{digest}.json"
+
+
+def episode_result(trace: EpisodeTrace, decoder: str | None, latency: str) -> dict[str, Any]:
+    """What is kept of an episode: its metrics and the timing of every question asked."""
+    metrics = episode_metrics(
+        np.array(trace.speed_mps),
+        np.array(trace.heading_rad),
+        np.array(trace.ttc_s),
+        np.array(trace.progress_m),
+        trace.goal_m,
+        trace.end_reason,
+        RECORD_S,
+    )
+    plans = [[p.asked_s, p.due_s, p.active_s, p.charged_ms, p.measured_ms, p.wall_s, int(p.valid)] for p in trace.plans]
+    return {
+        "label": trace.label,
+        "decoder": decoder,
+        "scenario": trace.scenario,
+        "seed": trace.seed,
+        "latency": latency,
+        "end_reason": trace.end_reason,
+        "goal_m": trace.goal_m,
+        "metrics": metrics,
+        "plans": plans,
+    }
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # missing or damaged: the episode is driven again
+
+
+def _warm_up(policies: dict[str, Policy]) -> None:
+    """One untimed answer per decoder: the first call of a process pays one-off costs a car would not."""
+    frame = np.zeros((FRAME_SIZE_PX[1], FRAME_SIZE_PX[0], 3), dtype=np.uint8)
+    history = np.zeros((HISTORY_STEPS, len(HISTORY_COLUMNS)))
+    for policy in policies.values():
+        if isinstance(policy, DecoderPolicy):
+            policy.planner.plan(
+                decoder=policy.name, images=[frame], history=history, command="go_straight", **policy.options
+            )
+
+
+def run_drive(
+    settings: DriveSettings,
+    planner: Planner | None = None,
+    on_start: Callable[[int, int], None] | None = None,
+    on_episode: Callable[[EpisodeOutcome], None] | None = None,
+) -> DriveReport:
+    """Drive every planner of `settings` on the same episodes; `planner` (else `settings.model` is loaded)
+    answers for the decoders. on_start(todo, already done) once, on_episode(outcome) after each episode."""
+    began = time.perf_counter()
+    jobs = plan_jobs(settings)
+    outcomes, todo = [], []
+    for job in jobs:
+        stored = _read(result_path(settings, job))
+        if stored is None:
+            todo.append(job)
+        else:
+            outcomes.append(EpisodeOutcome(job, stored))
+    if on_start is not None:
+        on_start(len(todo), len(outcomes))
+    policies: dict[str, Policy | None] = {
+        EXPERT_DRIVES: None,
+        EXPERT_PLANS: ExpertPolicy(settings.replan_s),
+        CONSTANT_VELOCITY: ConstantVelocityPolicy(),
+    }
+    if any(job.decoder for job in todo):
+        from fastddrive.planner import load
+
+        planner = planner or load(settings.model, device=settings.device)
+        for spec in settings.decoders:
+            name, options = parse_decoder_spec(spec)
+            policies[spec] = DecoderPolicy(planner, spec, name, options)
+        if settings.latency.mode == "measured":
+            _warm_up(policies)
+    for job in todo:
+        latency = settings.latency.describe(job.decoder)
+        try:
+            trace = drive_episode(
+                job.scenario,
+                job.seed,
+                policies[job.label],
+                lambda p, decoder=job.decoder: settings.latency.charge_ms(decoder, p.measured_ms),
+                replan_s=settings.replan_s,
+                duration_s=settings.duration_s,
+                video=settings.video is not None,
+            )
+            result = episode_result(trace, job.decoder, latency)
+            write_atomically(result_path(settings, job), json.dumps(result, allow_nan=False).encode())
+            if settings.video is not None:
+                write_gif(trace, settings.video / f"{_safe(job.label)}-{_safe(latency)}-{job.scenario}-{job.seed}.gif")
+            outcome = EpisodeOutcome(job, result)
+        except Exception:  # one episode's crash is reported; the others go on
+            outcome = EpisodeOutcome(job, None, traceback.format_exc())
+        outcomes.append(outcome)
+        if on_episode is not None:
+            on_episode(outcome)
+    results = [o.result for o in outcomes if o.result is not None]
+    failures = [o for o in outcomes if o.error is not None]
+    failed = {label: sum(o.job.label == label for o in failures) for label in settings.labels}
+    rows = summarise(results, settings.labels, failed)
+    png = draw_summary(rows, settings.out / "summary.png", title=title(settings))
+    return DriveReport(settings, rows, outcomes, png, time.perf_counter() - began, failures)
+
+
+def title(settings: DriveSettings) -> str:
+    """The title of the run's table and PNG."""
+    mode = settings.latency.mode + (f" {settings.latency.fixed_ms}" if settings.latency.mode == "fixed" else "")
+    return (
+        f"{settings.model}: {settings.episodes} episode(s) per scenario, seed {settings.seed}, latency {mode}, "
+        f"replanning every {settings.replan_s} s ({settings.device})"
+    )

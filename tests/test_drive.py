@@ -1,0 +1,218 @@
+"""Closed-loop driving (issue 17): the controller, the expert reproduced in the loop, latency charged on the
+simulation clock, bad settings refused up front, and a run that survives a crash, Ctrl-C and a re-run.
+
+Stub planners stand in for the model wherever the model is not the point; the embedded model drives once.
+"""
+
+import json
+
+import numpy as np
+import pytest
+from highway_env.vehicle.kinematics import Vehicle
+
+from fastddrive.data.highway import SIMULATION_HZ, UnknownScenario, simulate_episode
+from fastddrive.decode.registry import DecoderError
+from fastddrive.decode.result import DecodeResult
+from fastddrive.drive import DriveError
+from fastddrive.drive.closed_loop import HANDOVER_S, RECORD_S, drive_episode
+from fastddrive.drive.controller import TrackingController
+from fastddrive.drive.latency import Latency, LatencyError
+from fastddrive.drive.metrics import driving_score, lead_ttc_s
+from fastddrive.drive.plan import TimedPath
+from fastddrive.drive.policies import DecoderPolicy, ExpertPolicy
+from fastddrive.drive.run import check_settings, run_drive
+from fastddrive.model_files import DeviceError
+from fastddrive.schema import CRITICAL_OBJECT_CLASSES, DrivingResponse, MetaBehavior
+
+DT = 1.0 / SIMULATION_HZ
+HANDOVER_STEP = round(HANDOVER_S / RECORD_S)
+
+
+def _cross_track_m(path: TimedPath, position: np.ndarray) -> float:
+    """Distance to the path, the polyline resampled every few centimetres."""
+    arc = np.concatenate([[0.0], np.cumsum(np.linalg.norm(np.diff(path.points_m, axis=0), axis=1))])
+    s = np.linspace(0, arc[-1], 20_000)
+    dense = np.stack([np.interp(s, arc, path.points_m[:, i]) for i in (0, 1)], axis=1)
+    return float(np.linalg.norm(dense - position, axis=1).min())
+
+
+def _track(path: TimedPath, start: tuple[float, float], speed_mps: float, seconds: float):
+    """Drive highway-env's own bicycle model with the controller; cross-track and speed errors per step."""
+    car = Vehicle(None, np.array(start, dtype=float), 0.0, speed_mps)
+    controller = TrackingController()
+    cross, speed = [], []
+    for k in range(round(seconds / DT)):
+        t = k * DT
+        car.action = {
+            "steering": controller.steering_rad(car.position, car.heading, car.speed, path),
+            "acceleration": controller.accel_mps2(car.speed, path, t, DT),
+        }
+        car.step(DT)
+        cross.append(_cross_track_m(path, car.position))
+        speed.append(car.speed - path.speed_mps(t + DT))
+    return np.array(cross), np.array(speed)
+
+
+def test_controller_follows_a_straight_and_a_curved_trajectory():
+    t = np.arange(0, 12.01, 0.25)
+    # Straight at 20 m/s, starting 1.5 m to the side and 5 m/s slow: within 0.1 m and 0.2 m/s after 3 s.
+    straight = TimedPath(t, np.stack([20.0 * t, np.zeros_like(t)], axis=1))
+    cross, speed = _track(straight, (0.0, 1.5), 15.0, 10.0)
+    assert cross[0] > 1.0
+    assert cross[36:].max() < 0.1 and np.abs(speed[36:]).max() < 0.2
+    # A 40 m radius curve, speeding up from 5 m/s at 1 m/s^2 (0.6..2.5 m/s^2 sideways): within 0.2 m.
+    radius, s = 40.0, 5.0 * t + 0.5 * t**2
+    curve = TimedPath(t, np.stack([radius * np.sin(s / radius), radius * (1 - np.cos(s / radius))], axis=1))
+    cross, speed = _track(curve, (0.0, 0.0), 5.0, 8.0)
+    assert cross.max() < 0.2 and np.abs(speed[12:]).max() < 0.1
+
+
+def test_expert_in_the_loop_reproduces_its_own_episode():
+    """The data's episode (same seed), first with the expert keeping the seat (exactly), then with its own 5 s
+    rollouts as the plans, followed by the controller: within 1.5 m at every 0.25 s (the 1 s waypoints lose
+    the shape of its accelerations), 0.3 m sideways."""
+    seed, duration = 700_000, 9.0
+    log = simulate_episode("highway", seed, max_duration_s=duration)
+    expert = np.array([step.ego.position for step in log.steps])[HANDOVER_STEP:]
+    own = drive_episode("highway", seed, None, lambda p: 0.0, duration_s=duration)
+    np.testing.assert_allclose(np.array(own.position_m), expert[: len(own.position_m)], atol=1e-9)
+    looped = drive_episode("highway", seed, ExpertPolicy(0.5), lambda p: 0.0, duration_s=duration)
+    n = len(looped.position_m)
+    assert looped.end_reason == "goal" == own.end_reason and n > 12 and len(looped.plans) == n // 2
+    gap = np.array(looped.position_m) - expert[:n]
+    assert np.linalg.norm(gap, axis=1).max() < 1.5
+    assert np.abs(gap[:, 1]).max() < 0.3  # the highway runs along +x: y is sideways
+
+
+def _response(trajectory) -> DrivingResponse:
+    return DrivingResponse(
+        critical_objects=dict.fromkeys(CRITICAL_OBJECT_CLASSES, False),
+        explanation="keep going",
+        future_meta_behavior=MetaBehavior(longitudinal="keep", lateral="lane_follow"),
+        trajectory=trajectory,
+    )
+
+
+class StubPlanner:
+    """Answers 'straight on at the current speed' and reports the decode time it is told (never sleeps)."""
+
+    def __init__(self, latency_ms: float, fail_on: tuple[int, ...] = (), interrupt_on: int | None = None):
+        self.latency_ms, self.fail_on, self.interrupt_on, self.calls = latency_ms, fail_on, interrupt_on, 0
+
+    def plan(self, decoder, images, history, command, **options):
+        self.calls += 1
+        if self.calls == self.interrupt_on:
+            raise KeyboardInterrupt
+        if self.calls in self.fail_on:
+            raise RuntimeError("stub decoder crashed")
+        speed = float(history[-1, 2])
+        trajectory = [(speed * t, 0.0) for t in range(1, 6)]
+        return DecodeResult(
+            decoder, [], "", _response(trajectory), 10, 0, 0, [], 0.4 * self.latency_ms, 0.6 * self.latency_ms
+        )
+
+
+@pytest.mark.parametrize("latency_ms", [0.0, 700.0])
+def test_measured_latency_delays_every_plan(latency_ms):
+    policy = DecoderPolicy(StubPlanner(latency_ms), "ss", "ss", {})
+    latency = Latency("measured")
+    trace = drive_episode("merge", 4, policy, lambda p: latency.charge_ms("ss", p.measured_ms), duration_s=7.0)
+    assert len(trace.plans) >= 3
+    asked = np.array([p.asked_s for p in trace.plans])
+    # While it decodes the planner takes no new question: asked every 0.5 s, or every 1 s at 700 ms.
+    np.testing.assert_allclose(np.diff(asked), 0.5 if latency_ms == 0 else 1.0)
+    for plan in trace.plans:
+        assert plan.charged_ms == pytest.approx(latency_ms) and plan.measured_ms == pytest.approx(latency_ms)
+        assert plan.due_s == pytest.approx(plan.asked_s + latency_ms / 1000)
+        if plan.active_s is not None:  # in force at the first simulator step at or after it is due
+            assert plan.due_s - 1e-9 <= plan.active_s < plan.due_s + DT
+    assert sum(plan.active_s is not None for plan in trace.plans) >= len(trace.plans) - 1
+
+
+def test_bad_settings_are_refused_with_a_typed_error_naming_the_problem():
+    with pytest.raises(DecoderError, match="'nope'"):
+        check_settings(decoders="ar,nope")
+    with pytest.raises(DecoderError, match="tau"):
+        check_settings(decoders="sd:tau=2")
+    with pytest.raises(UnknownScenario, match="'moon'"):
+        check_settings(scenarios="highway,moon")
+    with pytest.raises(DriveError, match="'merge' is named twice"):
+        check_settings(scenarios="merge,merge")
+    with pytest.raises(LatencyError, match="'slow'"):
+        check_settings(latency="slow")
+    with pytest.raises(LatencyError, match="'-5'"):
+        check_settings(latency="fixed:-5")
+    with pytest.raises(LatencyError, match="no value for decoder 'ss'"):
+        check_settings(decoders="ar,ss", latency="fixed:ar=7855")
+    with pytest.raises(LatencyError, match="'tts'"):
+        check_settings(decoders="ar", latency="fixed:ar=1,tts=2")
+    with pytest.raises(DriveError, match="replan_s"):
+        check_settings(replan_s=0.3)
+    with pytest.raises(DriveError, match="duration_s"):
+        check_settings(duration_s=2.0)
+    with pytest.raises(DriveError, match="episodes"):
+        check_settings(episodes=0)
+    with pytest.raises(DeviceError, match="'tpu'"):
+        check_settings(device="tpu")
+    fixed = check_settings(decoders="ar,sd:tau=0.0", latency="fixed:ar=7855,sd:tau=0.0=3006").latency
+    assert fixed.charge_ms("ar", 1.0) == 7855 and fixed.charge_ms("sd:tau=0.0", 1.0) == 3006
+    assert fixed.charge_ms(None, 1.0) == 0  # references never wait
+
+
+def test_metrics_score_and_time_to_collision():
+    assert driving_score(0.8, {"collision": 1, "offroad": 0, "ttc_violation": 2}) == pytest.approx(0.8 * 0.6 * 0.81)
+    # A car 20 m ahead (bumper gap 15 m) closing at 5 m/s; one beside us and one behind do not count.
+    positions = np.array([[20.0, 0.5], [0.0, 3.5], [-10.0, 0.0]])
+    ttc = lead_ttc_s(positions, np.array([10.0, 0.0, 30.0]), np.array([[5.0, 2.0]] * 3), 15.0, (5.0, 2.0))
+    assert ttc == pytest.approx(3.0)
+
+
+def test_run_survives_a_crash_keeps_results_on_ctrl_c_and_resumes(tmp_path):
+    settings = check_settings(
+        decoders="ss", scenarios="merge,roundabout", episodes=1, latency="fixed:200", duration_s=5.0, out=tmp_path
+    )
+    # The stub crashes on its first question (ss on merge); the other episodes complete and are reported.
+    with pytest.raises(KeyboardInterrupt):  # ... until Ctrl-C on the stub's fourth question (ss, roundabout)
+        run_drive(settings, StubPlanner(0.0, fail_on=(1,), interrupt_on=4))
+    kept = [json.loads(p.read_text()) for p in (tmp_path / "episodes").glob("*.json")]  # whole files only
+    assert sorted((r["label"], r["scenario"]) for r in kept) == [
+        ("constant-velocity", "merge"),
+        ("expert-drives", "merge"),
+        ("expert-plans", "merge"),
+    ]
+    started, outcomes = [], []
+    report = run_drive(settings, StubPlanner(0.0), lambda todo, done: started.append((todo, done)), outcomes.append)
+    assert started == [(5, 3)] and [o.error for o in outcomes] == [None] * 5
+    rows = {row["decoder"]: row for row in report.rows}
+    assert rows["ss"]["episodes"] == 2 and rows["expert-drives"]["episodes"] == 2
+    assert rows["ss"]["latency_ms"] == 200 and rows["expert-plans"]["latency_ms"] == 0
+    assert report.summary_png.stat().st_size > 10_000
+    alone = check_settings(
+        decoders="ss", scenarios="merge", latency="zero", duration_s=5.0, references=False, out=tmp_path
+    )
+    failing = run_drive(alone, StubPlanner(0.0, fail_on=(1,)))
+    assert len(failing.failures) == 1 and "stub decoder crashed" in failing.failures[0].error
+
+
+def test_the_embedded_model_drives_with_measured_latency_and_video(tmp_path):
+    settings = check_settings(
+        decoders="ss",
+        scenarios="highway",
+        episodes=1,
+        latency="measured",
+        duration_s=5.0,
+        references=False,
+        out=tmp_path,
+        video=tmp_path / "video",
+    )
+    report = run_drive(settings)
+    (row,) = report.rows
+    assert row["planner_calls"] >= 2 and row["invalid_answers"] == 0
+    assert row["latency_ms"] > 1 and row["latency_ms"] == pytest.approx(row["measured_ms"])
+    (result,) = [json.loads(p.read_text()) for p in (tmp_path / "episodes").glob("*.json")]
+    for asked, due, active, charged, *_ in result["plans"]:
+        assert due == pytest.approx(asked + charged / 1000) and (active is None or active >= due - 1e-9)
+    (gif,) = (tmp_path / "video").glob("*.gif")
+    assert gif.stat().st_size > 10_000
+    assert {"decoder", "episodes", "collision_rate", "offroad_rate", "route_completion", "driving_score"} <= set(row)
+    assert {"mean_speed_mps", "latency_ms", "by_scenario"} <= set(row)
