@@ -161,3 +161,27 @@ def test_an_intersection_episode_does_not_change_the_next_episodes():
     episode_samples("intersection", 78, max_duration_s=9)
     after = episode_samples("merge", 77, max_duration_s=9)
     assert [s.future.tolist() for s in before] == [s.future.tolist() for s in after]
+
+
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+def test_a_process_that_renders_frames_still_stops_on_a_signal(signal_name):
+    """SDL, which draws the frames, turns SIGINT and SIGTERM into quit events by default: a data or drive
+    job would then ignore Ctrl-C and `kill`."""
+    import signal
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, time\n"
+        "from fastddrive.data.highway import make_env\n"
+        "env = make_env('highway'); env.reset(seed=0); env.render()\n"
+        "print('rendered', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert process.stdout.readline().strip() == b"rendered"
+        process.send_signal(getattr(signal, signal_name))
+        assert process.wait(timeout=10) != 0
+    finally:
+        process.kill()

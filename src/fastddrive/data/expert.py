@@ -11,6 +11,8 @@ import os
 # pygame must draw offscreen; its no-op video driver silently renders all-black frames.
 os.environ["SDL_VIDEODRIVER"] = "offscreen"
 os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")
+# SDL turns SIGINT and SIGTERM into quit events nobody reads: Ctrl-C and `kill` would not stop a job.
+os.environ["SDL_NO_SIGNAL_HANDLERS"] = "1"
 
 from highway_env.vehicle.behavior import IDMVehicle  # noqa: E402
 from highway_env.vehicle.graphics import VehicleGraphics  # noqa: E402
