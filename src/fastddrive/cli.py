@@ -825,58 +825,22 @@ def roofline_command(
     ] = True,
 ) -> None:
     """Latency of one decode forward against the tokens it carries, beside the weight-read floor."""
-    import torch
-
     from fastddrive.eval.plots import draw_roofline
-    from fastddrive.eval.roofline import DEFAULT_TOKENS, RooflineError, measure_roofline, parse_dtype, parse_tokens
-    from fastddrive.model_files import load_model, model_path
+    from fastddrive.eval.report import roofline_summary, roofline_table
+    from fastddrive.eval.roofline import DEFAULT_TOKENS, measure_roofline, parse_tokens, roofline_model
     from fastddrive.outputs import check_outputs, write_json
-    from fastddrive.random_init import random_init_model
 
     with user_errors():
         check_outputs(json_out, png)
-        if model is not None and random_init is not None:
-            raise RooflineError("give --model or --random-init, not both")
         counts = parse_tokens(tokens) if tokens else list(DEFAULT_TOKENS)
-        chosen = parse_dtype(dtype or ("float32" if device == "cpu" else "bfloat16"))
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise RooflineError(f"--device {device}: CUDA is not available here")
-        if random_init is not None:
-            loaded = random_init_model(random_init, device, chosen)
-            name = f"{random_init} (random weights, for timing only)"
-        else:
-            loaded = load_model(model_path(model or "default"), device, chosen)
-            name = model or "default"
-        graphs = cuda_graphs and loaded.device.type == "cuda"
-        if graphs:
-            loaded.use_static_shapes(graphs=True)
-            name += ", CUDA graphs"
+        loaded, name = roofline_model(model, random_init, device, dtype, cuda_graphs)
     with _progress() as progress:
         task = progress.add_task("forwards", total=len(counts) * (warmup + repeats), note=f"{len(counts)} sizes")
         result = measure_roofline(loaded, counts, repeats, warmup, lambda: progress.update(task, advance=1))
-    console.print(
-        f"{name}: {result.device}, {result.dtype}, prompt {result.prompt_tokens} tokens; weights read per forward "
-        f"{result.weight_bytes / 1e9:.3f} GB, copy bandwidth {result.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
-        f"floor {result.floor_ms:.3f} ms"
-        + f"; prefill and warm-ups {result.setup_s:.1f} s"
-        + (f" (CUDA graph warm-up and capture {loaded.static.capture_seconds:.1f} s)" if graphs else ""),
-        highlight=False,
-    )
-    table = Table(title=f"{name}: one forward after the prompt, {repeats} repeats")
-    for column in ("tokens", "median ms", "p10 ms", "p90 ms", "ms/token", "x floor"):
-        table.add_column(column, justify="right")
-    for row in result.rows:
-        table.add_row(
-            str(row.tokens),
-            f"{row.median_ms:.3f}",
-            f"{row.p10_ms:.3f}",
-            f"{row.p90_ms:.3f}",
-            f"{row.ms_per_token:.4f}",
-            f"{row.median_ms / result.floor_ms:.2f}x",
-        )
-    console.print(table)
+    capture_s = loaded.static.capture_seconds if loaded.static is not None and loaded.static.graphs else None
+    console.print(roofline_summary(result, name, capture_s), highlight=False)
+    console.print(roofline_table(result, f"{name}: one forward after the prompt, {repeats} repeats"))
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
         payload = {"model": None if random_init else name, "random_init": random_init} | result.to_json()
         write_json(json_out, payload)
         console.print(f"wrote {json_out}")

@@ -1,4 +1,4 @@
-"""The tables `fastddrive bench` and `fastddrive eval` print, built from their rows (rich tables)."""
+"""The tables `fastddrive bench`, `eval` and `roofline` print, built from their rows (rich tables)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from rich.table import Table
 
 from fastddrive.eval.accuracy import AccuracyReport
 from fastddrive.eval.bench import BenchRow
+from fastddrive.eval.roofline import Roofline
 
 
 def bench_table(rows: Sequence[BenchRow], title: str) -> Table:
@@ -94,3 +95,30 @@ def accuracy_json(reports: Mapping[str, AccuracyReport]) -> dict[str, object]:
         spec: dataclasses.asdict(r) | {"validity": r.validity, "by_scenario": r.by_scenario()}
         for spec, r in reports.items()
     }
+
+
+def roofline_summary(result: Roofline, name: str, capture_s: float | None) -> str:
+    """One line: the device, the prompt, the weight bytes a forward reads, bandwidth, floor and setup time."""
+    return (
+        f"{name}: {result.device}, {result.dtype}, prompt {result.prompt_tokens} tokens; weights read per forward "
+        f"{result.weight_bytes / 1e9:.3f} GB, copy bandwidth {result.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
+        f"floor {result.floor_ms:.3f} ms; prefill and warm-ups {result.setup_s:.1f} s"
+        + (f" (CUDA graph warm-up and capture {capture_s:.1f} s)" if capture_s is not None else "")
+    )
+
+
+def roofline_table(result: Roofline, title: str) -> Table:
+    """One line per token count: median, p10, p90, ms per token and the ratio to the floor."""
+    table = Table(title=title)
+    for column in ("tokens", "median ms", "p10 ms", "p90 ms", "ms/token", "x floor"):
+        table.add_column(column, justify="right")
+    for row in result.rows:
+        table.add_row(
+            str(row.tokens),
+            f"{row.median_ms:.3f}",
+            f"{row.p10_ms:.3f}",
+            f"{row.p90_ms:.3f}",
+            f"{row.ms_per_token:.4f}",
+            f"{row.median_ms / result.floor_ms:.2f}x",
+        )
+    return table

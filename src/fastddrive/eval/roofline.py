@@ -17,7 +17,9 @@ import numpy as np
 import torch
 
 from fastddrive.model import BlockDiffusionModel, PromptInputs
+from fastddrive.model_files import load_model, model_path
 from fastddrive.prompt import chat_text
+from fastddrive.random_init import random_init_model
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 33, 64, 128, 256, 512)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -192,3 +194,26 @@ def measure_roofline(
         rows=rows,
         setup_s=setup_s,
     )
+
+
+def roofline_model(
+    model: str | None, random_init: str | None, device: str, dtype: str | None, cuda_graphs: bool
+) -> tuple[BlockDiffusionModel, str]:
+    """The model to sweep and its name: a model folder (or an embedded name), or an architecture preset with
+    random weights (timing only); float32 on the CPU and bfloat16 elsewhere unless `dtype` says; CUDA graphs
+    on a GPU unless `cuda_graphs` is False. Settings are checked before anything loads."""
+    if model is not None and random_init is not None:
+        raise RooflineError("give --model or --random-init, not both")
+    chosen = parse_dtype(dtype or ("float32" if device == "cpu" else "bfloat16"))
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RooflineError(f"--device {device}: CUDA is not available here")
+    if random_init is not None:
+        loaded = random_init_model(random_init, device, chosen)
+        name = f"{random_init} (random weights, for timing only)"
+    else:
+        loaded = load_model(model_path(model or "default"), device, chosen)
+        name = model or "default"
+    if cuda_graphs and loaded.device.type == "cuda":
+        loaded.use_static_shapes(graphs=True)
+        name += ", CUDA graphs"
+    return loaded, name
