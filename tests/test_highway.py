@@ -178,7 +178,13 @@ def test_a_process_that_renders_frames_still_stops_on_a_signal(signal_name):
         "print('rendered', flush=True)\n"
         "time.sleep(60)\n"
     )
-    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    # A job started in the background inherits an ignored SIGINT; a terminal's Ctrl-C job does not.
+    process = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         assert process.stdout.readline().strip() == b"rendered"
         process.send_signal(getattr(signal, signal_name))
