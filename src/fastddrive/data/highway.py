@@ -9,7 +9,8 @@ the end of the road or the end of the episode.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,6 +166,24 @@ def install_expert(env: gym.Env, scenario: Scenario, rng: np.random.Generator) -
     return expert
 
 
+@contextmanager
+def seeded_episode(scenario: str, seed: int) -> Iterator[tuple[gym.Env, Any, ExpertVehicle]]:
+    """(env, its simulator, the expert in the ego seat) of episode `seed` of `scenario`, as every episode here
+    starts, data and closed loop alike; the environment is closed on leaving."""
+    env = make_env(scenario)
+    try:
+        env.reset(seed=seed)
+        yield env, env.unwrapped, install_expert(env, SCENARIOS[scenario], np.random.default_rng(seed))
+    finally:
+        env.close()
+
+
+def frame_geometry(sim: Any) -> tuple[float, tuple[float, float]]:
+    """Pixels per metre of the rendered frames and the ego's pixel in them."""
+    centering = sim.config["centering_position"]
+    return float(sim.config["scaling"]), (centering[0] * FRAME_SIZE_PX[0], centering[1] * FRAME_SIZE_PX[1])
+
+
 def route_turn_rad(vehicle: IDMVehicle, lookahead_m: float = ROUTE_LOOKAHEAD_M) -> float:
     """Signed heading change of the road the vehicle will follow in the next `lookahead_m`, left positive."""
     net = vehicle.road.network
@@ -234,18 +253,14 @@ def simulate_episode(
     """
     spec = SCENARIOS[scenario]
     duration = spec.max_duration_s if max_duration_s is None else max_duration_s
-    env = make_env(scenario)
-    try:
-        env.reset(seed=seed)
-        sim = env.unwrapped
-        expert = install_expert(env, spec, np.random.default_rng(seed))
+    with seeded_episode(scenario, seed) as (env, sim, expert):
         planned = bool(expert.route)
         if setup is not None:
             setup(env, expert)
         idle = sim.action_type.actions_indexes["IDLE"]
-        log = EpisodeLog(scenario, seed, pixels_per_metre=float(sim.config["scaling"]))
-        centering = sim.config["centering_position"]
-        log.ego_pixel = (centering[0] * FRAME_SIZE_PX[0], centering[1] * FRAME_SIZE_PX[1])
+        pixels_per_metre, ego_pixel = frame_geometry(sim)
+        log = EpisodeLog(scenario, seed, pixels_per_metre=pixels_per_metre)
+        log.ego_pixel = ego_pixel
         lane = expert.lane_index
         # Other cars are keyed by id(); holding every car until the episode ends stops a later car from
         # reusing a departed one's id, which would hang on how memory happened to be reused (rater copies).
@@ -279,8 +294,6 @@ def simulate_episode(
             sim.step(idle)
             k += 1
         return log
-    finally:
-        env.close()
 
 
 def _to_ego(points: np.ndarray, origin: np.ndarray, heading: float) -> np.ndarray:

@@ -26,15 +26,14 @@ from highway_env.vehicle.kinematics import Vehicle
 
 from fastddrive.data.expert import STEP_HZ, ExpertVehicle
 from fastddrive.data.highway import (
-    FRAME_SIZE_PX,
     HISTORY_STRIDE,
     SCENARIOS,
     SIMULATION_HZ,
     command_of,
     ego_history,
-    install_expert,
-    make_env,
+    frame_geometry,
     route_turn_rad,
+    seeded_episode,
     vehicle_state,
 )
 from fastddrive.data.sample import HISTORY_STEPS
@@ -207,11 +206,7 @@ def drive_episode(
     costs `latency_ms(proposal)` of simulated time."""
     spec = SCENARIOS[scenario]
     duration = spec.max_duration_s if duration_s is None else duration_s
-    env = make_env(scenario)
-    try:
-        env.reset(seed=seed)
-        sim = env.unwrapped
-        expert = install_expert(env, spec, np.random.default_rng(seed))
+    with seeded_episode(scenario, seed) as (env, sim, expert):
         idle = sim.action_type.actions_indexes["IDLE"]
         egos = [vehicle_state(expert)]
         while sim.time < HANDOVER_S - _EPS:
@@ -219,9 +214,9 @@ def drive_episode(
             egos.append(vehicle_state(expert))
         route = Route.ahead_of(expert, duration - sim.time)
         label = EXPERT_DRIVES if policy is None else policy.label
-        trace = EpisodeTrace(scenario, seed, label, route.goal_m, pixels_per_metre=float(sim.config["scaling"]))
-        centering = sim.config["centering_position"]
-        trace.ego_pixel = (centering[0] * FRAME_SIZE_PX[0], centering[1] * FRAME_SIZE_PX[1])
+        pixels_per_metre, ego_pixel = frame_geometry(sim)
+        trace = EpisodeTrace(scenario, seed, label, route.goal_m, pixels_per_metre=pixels_per_metre)
+        trace.ego_pixel = ego_pixel
         car = expert if policy is None else take_over(sim, expert, controller or TrackingController())
         if policy is not None:
             policy.start(expert)
@@ -274,5 +269,3 @@ def drive_episode(
             for event in (e for e in trace.plans if e.valid):
                 event.active_s = next(in_force)
         return trace
-    finally:
-        env.close()
