@@ -83,6 +83,11 @@ class Planner:
             model.tokenizer, explanation_budget=budget, scaffold_tokenization=model.info.scaffold_tokenization
         )
 
+    def check_images(self, scene: PlanInputs) -> None:
+        """SampleError if this is a vision model and `scene` has no camera image."""
+        if self.model.is_vision and not scene.images:
+            raise SampleError("this is a vision model: give at least one camera image (images=...)")
+
     def prompt(self, scene: DrivingSample | PlanInputs) -> PromptInputs:
         images = [scene.image] if isinstance(scene, DrivingSample) else scene.images
         return prompt_inputs(self.model, scene.command, scene.history, images)
@@ -100,8 +105,7 @@ class Planner:
         """Answer one scene (a DrivingSample, PlanInputs, or images/history/command) with `decoder`."""
         if scene is None:
             scene = PlanInputs.checked(images=() if images is None else images, history=history, command=command)
-            if self.model.is_vision and not scene.images:
-                raise SampleError("this is a vision model: give at least one camera image (images=...)")
+            self.check_images(scene)
         return decode(decoder, self.model, self.prompt(scene), self.scaffold, **options)
 
 

@@ -75,6 +75,16 @@ def get_decoder(name: str) -> DecoderFn:
     return DECODERS[name]
 
 
+def check_runs_on(model: BlockDiffusionModel, name: str) -> None:
+    """DecoderError unless decoder `name` exists and runs on `model` (an AR checkpoint has no MDM head)."""
+    get_decoder(name)
+    if model.info.kind == "autoregressive" and name not in ON_AR_MODELS:
+        raise DecoderError(
+            f"decoder {name!r} needs a block-diffusion checkpoint; this one is an AR model"
+            f" (these run on it: {', '.join(ON_AR_MODELS)})"
+        )
+
+
 def check_options(name: str, options: dict[str, object]) -> dict[str, object]:
     """The options given for decoder `name`, converted to their declared types and checked against their
     ranges (text is parsed strictly, see `decode.options`). DecoderError, one line, names the first option
@@ -141,11 +151,7 @@ def decode(
     """Run decoder `name` on one prompt and measure it."""
     fn = get_decoder(name)
     options = check_options(name, options)
-    if model.info.kind == "autoregressive" and name not in ON_AR_MODELS:
-        raise DecoderError(
-            f"decoder {name!r} needs a block-diffusion checkpoint; this one is an AR model"
-            f" (these run on it: {', '.join(ON_AR_MODELS)})"
-        )
+    check_runs_on(model, name)
     meter = ForwardMeter()
     began = time.perf_counter()
     with meter.watch(model):

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, ValidationError
 
 from fastddrive.data.sample import NAV_COMMANDS, SampleError
-from fastddrive.decode.registry import DECODERS, ON_AR_MODELS, DecoderError, check_options, get_decoder
+from fastddrive.decode.registry import DECODERS, DecoderError, check_options, check_runs_on
 from fastddrive.inputs import image_from_base64
 from fastddrive.planner import PlanInputs, Planner
 from fastddrive.schema import DrivingResponse
@@ -89,16 +89,13 @@ def checked_request(
         scene = PlanInputs(images=images, history=history, command=command)
     except ValidationError as err:
         errors += [refusal(e["loc"], str(e["msg"]).removeprefix("Value error, ")) for e in err.errors()]
-    refused_images = any(e["loc"][1] in ("images", "frame") for e in errors)
-    if scene is not None and planner.model.is_vision and not scene.images and not refused_images:
-        errors.append(refusal(("images",), "this is a vision model: give at least one camera image"))
+    if scene is not None and not any(e["loc"][1] in ("images", "frame") for e in errors):
+        try:
+            planner.check_images(scene)
+        except SampleError as err:
+            errors.append(refusal(("images",), str(err)))
     try:
-        get_decoder(decoder)
-        if planner.model.info.kind == "autoregressive" and decoder not in ON_AR_MODELS:
-            raise DecoderError(
-                f"decoder {decoder!r} needs a block-diffusion checkpoint; this one is an AR model"
-                f" (these run on it: {', '.join(ON_AR_MODELS)})"
-            )
+        check_runs_on(planner.model, decoder)
     except DecoderError as err:
         errors.append(refusal(("decoder",), str(err)))
     else:
