@@ -59,7 +59,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -83,6 +82,7 @@ from fastddrive.data.sample import (
     DrivingDataset,
     DrivingSample,
     encode_png,
+    write_atomically,
     write_shard,
 )
 from fastddrive.data.wod_tfrecord import CorruptRecord, encode_frame, read_frames, write_records
@@ -581,9 +581,7 @@ def export_wod_e2e(
                 on_item()
         if records:
             path = out / f"{RELEASE_SPLITS[name]}.json"
-            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-            tmp.write_text(json.dumps(records, ensure_ascii=False), encoding="utf-8")
-            os.replace(tmp, path)
+            write_atomically(path, json.dumps(records, ensure_ascii=False).encode("utf-8"))
             write_records(out / f"{RELEASE_SPLITS[name]}{TFRECORD_SHARD}", frames)
             counts[RELEASE_SPLITS[name]] = len(records)
     return ExportReport(counts, time.perf_counter() - start)

@@ -19,7 +19,6 @@ which protobuf skips:
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -29,6 +28,8 @@ import google_crc32c
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
+
+from fastddrive.data.sample import write_atomically
 
 _HEADER = struct.Struct("<QI")  # length, masked crc of the length
 _CRC = struct.Struct("<I")
@@ -76,16 +77,12 @@ def read_records(path: str | Path) -> Iterator[bytes | CorruptRecord]:
 
 def write_records(path: str | Path, records: Iterable[bytes]) -> int:
     """Write `records` as a TFRecord file, atomically (a reader never sees half a file); returns the count."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    count = 0
-    with tmp.open("wb") as file:
-        for data in records:
-            length = struct.pack("<Q", len(data))
-            file.write(length + _CRC.pack(masked_crc(length)) + data + _CRC.pack(masked_crc(data)))
-            count += 1
-    os.replace(tmp, path)
-    return count
+    framed = []
+    for data in records:
+        length = struct.pack("<Q", len(data))
+        framed.append(length + _CRC.pack(masked_crc(length)) + data + _CRC.pack(masked_crc(data)))
+    write_atomically(Path(path), b"".join(framed))
+    return len(framed)
 
 
 _F = descriptor_pb2.FieldDescriptorProto

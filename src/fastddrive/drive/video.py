@@ -8,11 +8,13 @@ at ego_pixel + pixels_per_metre * (p - ego position).
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
+from fastddrive.data.sample import write_atomically
 from fastddrive.drive.closed_loop import RECORD_S, EpisodeTrace
 from fastddrive.drive.plan import SAMPLE_S
 from fastddrive.schema import WAYPOINT_INTERVAL_S
@@ -51,8 +53,7 @@ def write_gif(trace: EpisodeTrace, path: Path) -> Path:
     images = episode_frames(trace)
     if not images:
         raise ValueError("the episode was driven without video: no frames to write")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    images[0].save(tmp, format="GIF", save_all=True, append_images=images[1:], duration=int(RECORD_S * 1000), loop=0)
-    tmp.replace(path)
+    gif = io.BytesIO()
+    images[0].save(gif, format="GIF", save_all=True, append_images=images[1:], duration=int(RECORD_S * 1000), loop=0)
+    write_atomically(path, gif.getvalue())
     return path
