@@ -187,10 +187,17 @@ class _NoObservation:
         return None
 
 
+def simulator_copy(sim: Any) -> Any:
+    """A copy of the simulator to roll a driver out in: highway-env leaves the viewer out of its copies and the
+    RNG state is copied; the gym observation, which nobody reads, is switched off (a sixth of a step's time)."""
+    world = copy.deepcopy(sim)
+    world.observation_type = _NoObservation()
+    return world
+
+
 def roll_out(sim: Any, name: str, prepare: Callable[[Any], None] | None = None) -> Rollout:
     """Copy the simulator, let `prepare(ego)` turn the copied expert into another driver, and drive 5 s."""
-    world = copy.deepcopy(sim)  # highway-env leaves the viewer out of its copies; the RNG state is copied
-    world.observation_type = _NoObservation()  # nobody reads it; it is a sixth of a step's time
+    world = simulator_copy(sim)
     ego = world.vehicle
     if prepare is not None:
         prepare(ego)

@@ -13,13 +13,13 @@ frame, the ego history and the navigation command. The references are the yardst
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from fastddrive.data.expert import STEP_HZ, ExpertVehicle
+from fastddrive.data.raters import simulator_copy
 from fastddrive.drive.plan import to_ego
 from fastddrive.eval.metrics import constant_velocity_m
 from fastddrive.planner import Planner
@@ -93,11 +93,6 @@ class ConstantVelocityPolicy:
         return Proposal(constant_velocity_m(observation.history, NUM_WAYPOINTS, WAYPOINT_INTERVAL_S), 0.0)
 
 
-class _NoObservation:
-    def observe(self) -> None:
-        return None
-
-
 class ExpertPolicy:
     """The IDM/MOBIL expert rolled out for 5 s in a copy of the simulator. Its decisions carry over from one
     answer to the next, as they would in the expert's own drive: the lane it is changing to, MOBIL's timer,
@@ -113,8 +108,7 @@ class ExpertPolicy:
         self.decision = {name: getattr(expert, name) for name in DECISION if hasattr(expert, name)}
 
     def propose(self, observation: Observation) -> Proposal:
-        world = copy.deepcopy(observation.sim)  # highway-env copies leave the viewer out; the RNG is copied
-        world.observation_type = _NoObservation()  # nobody reads it
+        world = simulator_copy(observation.sim)
         car = world.vehicle
         driver = ExpertVehicle(
             world.road, car.position.copy(), heading=car.heading, speed=car.speed, route=list(car.route)
