@@ -59,6 +59,28 @@ def test_prefill_equals_the_plain_forward(model):
     assert torch.allclose(logits, plain_logits(model, prompt, [])[0], atol=EXACT)
 
 
+@pytest.mark.parametrize("rotation_columns", [True, False])
+def test_both_weight_layouts_equal_the_plain_forward(model, rotation_columns):
+    """RoPE's rotate_half as extra qkv columns (the CPU layout) or computed in the layer (the GPU one)."""
+    from fastddrive.model import DecodeWeights
+
+    prompt = _prompt(model)
+    version = model._refresh_weights().version
+    model.decode_weights = DecodeWeights.of(model.text_model, model.core.lm_head, version, rotation_columns)
+    try:
+        heads, kv_heads, dim = model.decode_weights.heads, model.decode_weights.kv_heads, model.decode_weights.head_dim
+        columns = (heads + 2 * kv_heads + (heads + kv_heads) * rotation_columns) * dim
+        assert model.decode_weights.layers[0].qkv.shape[1] == columns
+        logits, cache = model.prefill(prompt)
+        assert model.decode_weights.layers[0].qkv.shape[1] == columns  # the prefill kept this layout
+        new = [40, 9, 11]
+        plain = plain_logits(model, prompt, new)
+        assert torch.allclose(logits, plain[0], atol=EXACT)
+        assert torch.allclose(model.verify(cache, new), plain[1:], atol=EXACT)
+    finally:
+        model.decode_weights = None
+
+
 def test_verify_draft_and_crop_equal_the_plain_forward(model):
     prompt = _prompt(model)
     _, cache = model.prefill(prompt)

@@ -4,6 +4,7 @@ library's answers, 422s naming the field, a burst past the queue, timeouts, SIGT
 import base64
 import io
 import json
+import os
 import re
 import signal
 import socket
@@ -11,13 +12,16 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 
 import httpx
 import numpy as np
 import pytest
 import uvicorn
+from fastapi.testclient import TestClient
 from PIL import Image
 
+import fastddrive
 from fastddrive.outputs import finite
 from fastddrive.planner import PlanInputs
 from fastddrive.serve.app import create_app
@@ -61,9 +65,33 @@ def tagged(scenes):
 
 
 @pytest.fixture(scope="module")
-def url(embedded):
-    with running(create_app(lambda: embedded, "ss", max_queue=2, timeout_s=60)) as base:
+def url():
+    """The service with the model loaded in a process of its own (`fastddrive serve --model-process`)."""
+    app = create_app(partial(fastddrive.load, "default"), "ss", max_queue=2, timeout_s=60, isolated=True)
+    with running(app) as base:
         yield base
+
+
+def test_the_model_runs_in_its_own_process_and_a_failed_load_says_why(url):
+    from fastddrive.decode.registry import DecoderError
+    from fastddrive.serve.model_process import ModelProcessDied, PlannerProcess
+
+    planner = PlannerProcess(partial(fastddrive.load, "default-ar"))
+    try:
+        assert planner._process.pid != os.getpid() and planner.facts.kind == "autoregressive"
+        with pytest.raises(DecoderError, match="needs a block-diffusion checkpoint"):
+            planner.plan(PlanInputs(images=[], history=np.zeros((7, 6)), command="go_straight"), "ss")
+    finally:
+        planner.close()
+    with pytest.raises(ModelProcessDied):
+        planner.plan(PlanInputs(images=[], history=np.zeros((7, 6)), command="go_straight"), "ar")
+    app = create_app(partial(fastddrive.load, "/no/such/model"), isolated=True)
+    with TestClient(app) as client:  # the load fails in the model process; the service says why
+        deadline = time.monotonic() + 60
+        while (ready := client.get("/readyz")).json()["status"] == "loading":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert ready.status_code == 503 and "/no/such/model" in ready.json()["status"]
 
 
 def test_a_valid_request_answers_what_the_planner_answers(url, embedded, tagged):
@@ -144,7 +172,8 @@ def test_a_burst_larger_than_the_queue_is_answered_or_refused_never_mixed_up(url
 
 
 def test_a_request_past_its_timeout_is_a_504_and_frees_its_slot(embedded, tagged):
-    with running(create_app(lambda: embedded, "ar", max_queue=1, timeout_s=0.05)) as base:
+    # The model on the worker thread (the default of `fastddrive serve`).
+    with running(create_app(lambda: embedded, "ar", max_queue=1, timeout_s=0.05, isolated=False)) as base:
         with ThreadPoolExecutor(2) as pool:  # one on the model, one waiting: both past 50 ms
             first = [reply.status_code for reply, _ in pool.map(lambda item: _post(base, item[1]), tagged[:2])]
         assert first == [504, 504]

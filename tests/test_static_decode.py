@@ -88,7 +88,8 @@ def test_compiled_layer_halves_equal_the_eager_ones():
     for tokens in (1, 5, 33):  # specialised at 1, then dynamic in the token dimension
         hidden = rand(tokens, size)
         cos, sin = rand(tokens, 1, dim), rand(tokens, 1, dim)
-        inputs = (hidden, rand(2 * size), rand((heads + 2 * kv_heads) * dim, size), rand((heads + 2 * kv_heads) * dim))
+        qkv_width = (heads + 2 * kv_heads) * dim  # the GPU layout: q k v, RoPE's rotation in the kernel
+        inputs = (hidden, rand(size, qkv_width), rand(qkv_width))
         compiled_in, compiled_rest = layer_halves.layer_halves(torch.device("cuda"))
         for a, b in zip(
             layer_halves.attention_inputs(*inputs, cos, sin, 1, heads, kv_heads, 1e-6),
@@ -96,14 +97,7 @@ def test_compiled_layer_halves_equal_the_eager_ones():
             strict=True,
         ):
             assert torch.allclose(a, b, atol=1e-5)
-        rest = (
-            hidden,
-            rand(tokens, heads * dim),
-            rand(size, heads * dim),
-            rand(2 * size),
-            rand(256, size),
-            rand(size, 128),
-        )
+        rest = (hidden, rand(tokens, heads * dim), rand(heads * dim, size), rand(size, 256), rand(128, size))
         eager = layer_halves.attention_output_and_mlp(*rest, torch.nn.functional.silu, 1e-6)
         assert torch.allclose(eager, compiled_rest(*rest, torch.nn.functional.silu, 1e-6), atol=1e-5)
 

@@ -891,10 +891,16 @@ def serve_command(
     max_queue: Annotated[int, typer.Option(min=1, help="Requests that may wait; more are answered 503.")] = 32,
     timeout_s: Annotated[float, typer.Option(min=0.001, help="A request unanswered after this is a 504.")] = 10.0,
     data: Annotated[Path | None, typer.Option(help="A dataset folder whose scenes the page offers.")] = None,
+    model_process: Annotated[
+        bool, typer.Option(help="Run the model in a process of its own (default: on a thread of the server).")
+    ] = False,
 ) -> None:
     """Serve the planner over HTTP: POST /v1/plan, the page at /, /docs, /healthz, /readyz, /metrics.
 
-    One worker owns the model; SIGTERM stops accepting, finishes the requests in flight and exits 0."""
+    One worker owns the model (on a thread, or in a process of its own with --model-process); SIGTERM stops
+    accepting, finishes the requests in flight and exits 0."""
+    from functools import partial
+
     import fastddrive
     from fastddrive.decode.registry import get_decoder
     from fastddrive.eval.roofline import parse_dtype
@@ -907,7 +913,12 @@ def serve_command(
         check_device(device)
         weights = parse_dtype(dtype) if dtype else None
         service = create_app(
-            lambda: fastddrive.load(model, device=device, dtype=weights), decoder, max_queue, timeout_s, data
+            partial(fastddrive.load, model, device=device, dtype=weights),
+            decoder,
+            max_queue,
+            timeout_s,
+            data,
+            isolated=model_process,
         )
     run(service, host, port, grace_s=timeout_s + 5)
 

@@ -77,15 +77,15 @@ class KVCache:
         k, v = self.keys[layer], self.values[layer]
         start = self.lengths[0]
         if all(length == start for length in self.lengths):
-            k[:, :, start : start + n] = keys
-            v[:, :, start : start + n] = values
+            k.narrow(2, start, n).copy_(keys)  # one view op where slicing [:, :, a:b] takes three
+            v.narrow(2, start, n).copy_(values)
         else:  # rows at different lengths: one indexed write, row r at [lengths[r], lengths[r] + n)
             rows = torch.arange(self.rows, device=k.device)[:, None]
             at = torch.tensor(self.lengths, device=k.device)[:, None] + torch.arange(n, device=k.device)
             k[rows, :, at] = keys.transpose(1, 2)
             v[rows, :, at] = values.transpose(1, 2)
         end = max(self.lengths) + n
-        return k[:, :, :end], v[:, :, :end]
+        return k.narrow(2, 0, end), v.narrow(2, 0, end)
 
     def write_at(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor, at: torch.Tensor

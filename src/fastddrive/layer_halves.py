@@ -1,12 +1,13 @@
-"""A decoder layer as its two halves around attention, compiled on a GPU so that each is a few kernels.
+"""A decoder layer as its two halves around attention: few tensor ops on the CPU, few kernels on a GPU.
 
-In the decode regime a forward of a 3B model is about 20 kernels a layer, and besides the four matrix
-products most are tiny (the norms, the pieces of RoPE, a bias, SiLU and the gating product, copies);
-each costs a launch and a tail even inside a CUDA graph (on an H100 they took about a quarter of a
-one-token forward of the Qwen2.5-VL-3B shape). `torch.compile` (inductor, no CUDA graphs of its own:
-`static_decode` captures its own) turns each half into its cuBLAS products plus one or two fused
-kernels, as gpt-fast's compiled forward does. Attention and the cache write stay outside, where SDPA
-picks its own kernel. On the CPU the same functions run eagerly, which is how the tests compare paths.
+In the decode regime a forward of the embedded model on a CPU, or of a 3B model on a GPU, costs its
+op dispatches (kernel launches), not its arithmetic. The halves therefore read weights laid out for
+them (`model.DecodeWeights`): each RMSNorm weight folded into the matrix after it, every matrix stored
+(in, out) so that a product is one `addmm`/`mm`, and on the CPU RoPE's rotate-half folded into extra q/k
+columns of the qkv matrix. On a GPU `torch.compile` (inductor, no CUDA graphs of its own: `static_decode` captures
+its own) turns each half into its cuBLAS products plus one or two fused kernels, as gpt-fast's compiled
+forward does; attention and the cache write stay outside, where SDPA picks its own kernel. On the CPU
+the same functions run eagerly, which is how the tests compare paths.
 """
 
 from __future__ import annotations
@@ -18,19 +19,18 @@ import torch
 import torch.nn.functional as F
 
 
-def rms_norm(x: torch.Tensor, doubled: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm with weight w, given [w, w]. On the CPU as the LayerNorm of [x, -x] (zero mean, variance
-    mean(x^2)): torch's CPU RMSNorm is several kernels (measured 34 against 16 us per call on a 2-core
-    machine)."""
+def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without its weight (folded into the next matrix). On the CPU as the LayerNorm of [x, -x]
+    (zero mean, variance mean(x^2)): one reduction kernel where torch's CPU RMSNorm runs several
+    (measured 20 against 26-30 us per call on a 2-core machine)."""
     size = x.shape[-1]
     if x.device.type != "cpu":
-        return F.rms_norm(x, (size,), doubled[:size], eps)
-    return F.layer_norm(torch.cat([x, -x], dim=-1), (2 * size,), doubled, None, eps)[..., :size]
+        return F.rms_norm(x, (size,), None, eps)
+    return F.layer_norm(torch.cat([x, -x], dim=-1), (2 * size,), None, None, eps)[..., :size]
 
 
 def attention_inputs(
     hidden: torch.Tensor,
-    norm: torch.Tensor,
     qkv: torch.Tensor,
     qkv_bias: torch.Tensor,
     cos: torch.Tensor,
@@ -41,16 +41,22 @@ def attention_inputs(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Queries (rows, heads, n, d) and keys (rows, kv_heads, n, d) after RoPE, and values, of the hidden
-    states (rows * n, H). Keys and values come contiguous, as the cache stores them (a strided source
-    would cost the cache write a copy). RoPE as x cos + roll(x) sin' with the rotate-half sign folded
-    into sin'."""
+    states (rows * n, H). `qkv` is (H, [q k v]) with the norm weight folded in, RoPE q cos +
+    rotate_half(q) sin; on the CPU `qkv` is (H, [q k v rot-q rot-k]) and the one product gives
+    rotate_half(q) and rotate_half(k) too. Keys and values come contiguous, as the cache stores them
+    (a strided source would cost the write a copy)."""
     tokens = hidden.shape[0]
-    projected = F.linear(rms_norm(hidden, norm, eps), qkv, qkv_bias).view(tokens, heads + 2 * kv_heads, -1)
-    qk = projected[:, : heads + kv_heads]
-    qk = torch.addcmul(qk * cos, qk.roll(qk.shape[-1] // 2, -1), sin)
-    dim = qk.shape[-1]
+    projected = torch.addmm(qkv_bias, rms_norm(hidden, eps), qkv)
+    dim = cos.shape[-1]
+    width = (heads + kv_heads) * dim
+    qk = projected[:, :width].view(tokens, heads + kv_heads, dim)
+    if projected.shape[1] > width + kv_heads * dim:
+        rotated = projected[:, width + kv_heads * dim :].view(tokens, heads + kv_heads, dim)
+    else:
+        rotated = torch.cat([-qk[..., dim // 2 :], qk[..., : dim // 2]], dim=-1)
+    qk = torch.addcmul(qk * cos, rotated, sin)
     q = qk[:, :heads].view(rows, tokens // rows, heads, dim).transpose(1, 2)
-    k, v = qk[:, heads:], projected[:, heads + kv_heads :]
+    k, v = qk[:, heads:], projected[:, width : width + kv_heads * dim]
     k, v = (x.reshape(rows, tokens // rows, kv_heads, dim).transpose(1, 2).contiguous() for x in (k, v))
     return q, k, v
 
@@ -59,17 +65,17 @@ def attention_output_and_mlp(
     hidden: torch.Tensor,
     attended: torch.Tensor,
     out: torch.Tensor,
-    mlp_norm: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
     eps: float,
 ) -> torch.Tensor:
     """The rest of the layer: the output projection of attention (T, heads * d) added to the residual
-    stream, then the gated MLP added to it."""
-    hidden = torch.addmm(hidden, attended, out.t())
-    gate, up = F.linear(rms_norm(hidden, mlp_norm, eps), gate_up).chunk(2, dim=-1)
-    return torch.addmm(hidden, act(gate) * up, down.t())
+    stream, then the gated MLP (`gate_up` (H, [gate up]) with the norm weight folded in) added to it."""
+    hidden = torch.addmm(hidden, attended, out)
+    gate_up = torch.mm(rms_norm(hidden, eps), gate_up)
+    width = gate_up.shape[-1] // 2
+    return torch.addmm(hidden, act(gate_up[:, :width]) * gate_up[:, width:], down)
 
 
 @cache

@@ -68,16 +68,17 @@ class PromptInputs:
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer's weights as the decode forward reads them: q/k/v and gate/up concatenated, so
-    each is one matrix product (a copy: the transformers parameters stay as they are)."""
+    """One decoder layer's weights laid out for `layer_halves` (copies: the transformers parameters stay
+    as they are). Matrices are (in, out); the RMSNorm weights are folded into the matrices after them; on
+    the CPU qkv also carries rotate_half of the q and k projections as extra columns (RoPE without the
+    ops of a rotation; on a GPU the compiled half fuses the rotation, and the extra columns would be
+    bytes read per forward)."""
 
-    attention_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: torch.Tensor  # (H, [q k v]), on the CPU (H, [q k v rot-q rot-k])
     qkv_bias: torch.Tensor
-    out: torch.Tensor
-    mlp_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    out: torch.Tensor  # (heads * d, H)
+    gate_up: torch.Tensor  # (H, [gate up])
+    down: torch.Tensor  # (I, H)
     act: Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -87,8 +88,7 @@ class DecodeWeights:
 
     layers: tuple[LayerWeights, ...]
     embed: torch.Tensor
-    final_norm: torch.Tensor
-    head: torch.Tensor
+    head: torch.Tensor  # (H, V), the final norm's weight folded in
     eps: float
     heads: int
     kv_heads: int
@@ -97,47 +97,60 @@ class DecodeWeights:
     version: tuple[tuple[int, int], ...]
 
     @classmethod
-    def of(cls, text_model: torch.nn.Module, lm_head: torch.nn.Module, version: tuple) -> DecodeWeights:
+    def of(
+        cls, text_model: torch.nn.Module, lm_head: torch.nn.Module, version: tuple, rotation_columns: bool | None = None
+    ) -> DecodeWeights:
+        """The layout of `text_model`'s weights; `rotation_columns` defaults to whether they are on the CPU."""
+        config = text_model.config
+        first = text_model.layers[0].self_attn
+        heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, first.head_dim
+        if rotation_columns is None:
+            rotation_columns = text_model.embed_tokens.weight.device.type == "cpu"
         layers = []
         for layer in text_model.layers:
             attention, mlp = layer.self_attn, layer.mlp
-            projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+            q, k, v = (p.weight.detach() for p in (attention.q_proj, attention.k_proj, attention.v_proj))
+            qb, kb, vb = (p.bias.detach() for p in (attention.q_proj, attention.k_proj, attention.v_proj))
+            qkv, qkv_bias = torch.cat([q, k, v]), torch.cat([qb, kb, vb])
+            if rotation_columns:
+                qkv = torch.cat([qkv, _rotated(q, heads), _rotated(k, kv_heads)])
+                qkv_bias = torch.cat([qkv_bias, _rotated(qb, heads), _rotated(kb, kv_heads)])
+            gate_up = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])
             layers.append(
                 LayerWeights(
-                    attention_norm=_doubled(layer.input_layernorm.weight),
-                    qkv=torch.cat([p.weight.detach() for p in projections]),
-                    qkv_bias=torch.cat([p.bias.detach() for p in projections]),
-                    out=attention.o_proj.weight.detach(),
-                    mlp_norm=_doubled(layer.post_attention_layernorm.weight),
-                    gate_up=torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]),
-                    down=mlp.down_proj.weight.detach(),
-                    act=F.silu if text_model.config.hidden_act == "silu" else mlp.act_fn,  # no Module call
+                    qkv=_folded(qkv, layer.input_layernorm),
+                    qkv_bias=qkv_bias,
+                    out=attention.o_proj.weight.detach().t().contiguous(),
+                    gate_up=_folded(gate_up, layer.post_attention_layernorm),
+                    down=mlp.down_proj.weight.detach().t().contiguous(),
+                    act=F.silu if config.hidden_act == "silu" else mlp.act_fn,  # no Module call
                 )
             )
-        first = text_model.layers[0].self_attn
-        config = text_model.config
         return cls(
             layers=tuple(layers),
             embed=text_model.embed_tokens.weight.detach(),
-            final_norm=_doubled(text_model.norm.weight),
-            head=lm_head.weight.detach(),
+            head=_folded(lm_head.weight.detach(), text_model.norm),
             eps=text_model.norm.variance_epsilon,
-            heads=config.num_attention_heads,
-            kv_heads=config.num_key_value_heads,
-            head_dim=first.head_dim,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=dim,
             scaling=first.scaling,
             version=version,
         )
 
 
-def _doubled(weight: torch.Tensor) -> torch.Tensor:
-    return torch.cat([weight.detach(), weight.detach()])
+def _folded(weight: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    """(in, out) matrix of the (out, in) `weight` applied after RMSNorm `norm`: norm(x) @ W.T is
+    rms(x) @ (W * norm.weight).T."""
+    return (weight * norm.weight.detach()).t().contiguous()
 
 
-def _sign_folded(sin: torch.Tensor) -> torch.Tensor:
-    """sin with the first half negated: rotate_half(x) * sin == roll(x, half) * sin'."""
-    half = sin.shape[-1] // 2
-    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+def _rotated(projection: torch.Tensor, heads: int) -> torch.Tensor:
+    """The rows (or bias) of a q or k projection that give rotate_half of its output, head by head:
+    rotate_half(x) = [-x2, x1] on each head's halves. Exact (a signed permutation)."""
+    per_head = projection.reshape(heads, -1, *projection.shape[1:])
+    first, second = per_head.chunk(2, dim=1)
+    return torch.cat([-second, first], dim=1).reshape(projection.shape)
 
 
 class BlockDiffusionModel:
@@ -247,7 +260,7 @@ class BlockDiffusionModel:
         return self.decode_weights
 
     def rope_table(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin (P, 1, head_dim) of text positions 0..P-1, P >= size: made once by the
+        """cos and sin (P, 1, head_dim) of text positions 0..P-1, P >= size: made once by the
         model's own rotary embedding (text positions are equal on mRoPE's three axes) and grown by
         doubling."""
         if self._rope_table is None or self._rope_table[0].shape[0] < size:
@@ -255,7 +268,7 @@ class BlockDiffusionModel:
             table = torch.arange(size, device=self.device)[None]
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)
             cos, sin = self.text_model.rotary_emb(probe, table.expand(3, 1, -1) if self.is_vision else table)
-            self._rope_table = (cos[0][:, None], _sign_folded(sin[0])[:, None])
+            self._rope_table = (cos[0][:, None], sin[0][:, None])
             if self.static is not None:
                 self.static.forget()  # captured graphs read the old table
         return self._rope_table
@@ -285,9 +298,7 @@ class BlockDiffusionModel:
         tokens = hidden.shape[0]
         heads, kv_heads, dim, eps = weights.heads, weights.kv_heads, weights.head_dim, weights.eps
         for i, layer in enumerate(weights.layers):
-            q, k, v = attention_inputs(
-                hidden, layer.attention_norm, layer.qkv, layer.qkv_bias, cos, sin, rows, heads, kv_heads, eps
-            )
+            q, k, v = attention_inputs(hidden, layer.qkv, layer.qkv_bias, cos, sin, rows, heads, kv_heads, eps)
             keys, values = store(i, k, v)
             attended = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, is_causal=is_causal, scale=weights.scaling, enable_gqa=True
@@ -296,7 +307,6 @@ class BlockDiffusionModel:
                 hidden,
                 attended.transpose(1, 2).reshape(tokens, heads * dim),
                 layer.out,
-                layer.mlp_norm,
                 layer.gate_up,
                 layer.down,
                 layer.act,
@@ -307,7 +317,7 @@ class BlockDiffusionModel:
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: logits of hidden states."""
         weights = self.decode_weights
-        return F.linear(rms_norm(hidden, weights.final_norm, weights.eps), weights.head)
+        return torch.mm(rms_norm(hidden, weights.eps), weights.head)
 
     def _forwarded(self, tokens: int) -> None:
         for hook in self.forward_hooks:
@@ -335,7 +345,7 @@ class BlockDiffusionModel:
         else:
             cache = self.empty_cache(n + room, rope_delta=int(deltas[0]))
         cos, sin = self.text_model.rotary_emb(embeds, self.on_device(positions))
-        rope = (cos[0][:, None], _sign_folded(sin[0])[:, None])
+        rope = (cos[0][:, None], sin[0][:, None])
         if self.static is not None:  # its cache, made above
             logits = self.static.prefill(cache, embeds[0], rope)
         else:

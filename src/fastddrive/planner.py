@@ -8,6 +8,7 @@ result.response.trajectory, result.nfe, result.decode_ms
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from fastddrive.data.sample import NAV_COMMANDS, DrivingSample, SampleError, check_command, check_history, check_image
-from fastddrive.decode.registry import decode
+from fastddrive.decode.registry import check_runs_on, decode
 from fastddrive.decode.result import DecodeResult
 from fastddrive.model import BlockDiffusionModel, PromptInputs
 from fastddrive.model_files import check_device, load_model, model_path
@@ -73,6 +74,24 @@ def prompt_inputs(model: BlockDiffusionModel, command: str, history: np.ndarray,
     return model.encode_prompt(chat_text(command, history, images=len(images)), images)
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a request is checked against before any costly work, without the weights at hand (a planner
+    in another process sends them once): whether the model reads images, and its checkpoint kind."""
+
+    is_vision: bool
+    kind: str  # CheckpointInfo.kind: "block-diffusion" or "autoregressive"
+
+    def check_images(self, scene: PlanInputs) -> None:
+        """SampleError if this is a vision model and `scene` has no camera image."""
+        if self.is_vision and not scene.images:
+            raise SampleError("this is a vision model: give at least one camera image (images=...)")
+
+    def check_decoder(self, name: str) -> None:
+        """DecoderError unless decoder `name` exists and runs on this model."""
+        check_runs_on(self.kind, name)
+
+
 class Planner:
     """A loaded model with its scaffold, answering scenes through any registered decoder."""
 
@@ -83,10 +102,9 @@ class Planner:
             model.tokenizer, explanation_budget=budget, scaffold_tokenization=model.info.scaffold_tokenization
         )
 
-    def check_images(self, scene: PlanInputs) -> None:
-        """SampleError if this is a vision model and `scene` has no camera image."""
-        if self.model.is_vision and not scene.images:
-            raise SampleError("this is a vision model: give at least one camera image (images=...)")
+    @property
+    def facts(self) -> ModelFacts:
+        return ModelFacts(self.model.is_vision, self.model.info.kind)
 
     def prompt(self, scene: DrivingSample | PlanInputs) -> PromptInputs:
         images = [scene.image] if isinstance(scene, DrivingSample) else scene.images
@@ -105,7 +123,7 @@ class Planner:
         """Answer one scene (a DrivingSample, PlanInputs, or images/history/command) with `decoder`."""
         if scene is None:
             scene = PlanInputs.checked(images=() if images is None else images, history=history, command=command)
-            self.check_images(scene)
+            self.facts.check_images(scene)
         return decode(decoder, self.model, self.prompt(scene), self.scaffold, **options)
 
 
@@ -126,4 +144,4 @@ def load(
     return Planner(model)
 
 
-__all__ = ["NAV_COMMANDS", "PlanInputs", "Planner", "load", "prompt_inputs"]
+__all__ = ["NAV_COMMANDS", "ModelFacts", "PlanInputs", "Planner", "load", "prompt_inputs"]

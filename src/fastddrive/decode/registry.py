@@ -75,10 +75,11 @@ def get_decoder(name: str) -> DecoderFn:
     return DECODERS[name]
 
 
-def check_runs_on(model: BlockDiffusionModel, name: str) -> None:
-    """DecoderError unless decoder `name` exists and runs on `model` (an AR checkpoint has no MDM head)."""
+def check_runs_on(kind: str, name: str) -> None:
+    """DecoderError unless decoder `name` exists and runs on a checkpoint of `kind` (`CheckpointInfo.kind`:
+    an autoregressive checkpoint has no MDM head)."""
     get_decoder(name)
-    if model.info.kind == "autoregressive" and name not in ON_AR_MODELS:
+    if kind == "autoregressive" and name not in ON_AR_MODELS:
         raise DecoderError(
             f"decoder {name!r} needs a block-diffusion checkpoint; this one is an AR model"
             f" (these run on it: {', '.join(ON_AR_MODELS)})"
@@ -151,7 +152,7 @@ def decode(
     """Run decoder `name` on one prompt and measure it."""
     fn = get_decoder(name)
     options = check_options(name, options)
-    check_runs_on(model, name)
+    check_runs_on(model.info.kind, name)
     meter = ForwardMeter()
     began = time.perf_counter()
     with meter.watch(model):

@@ -11,6 +11,7 @@ import base64
 import json
 import signal
 import string
+import sys
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from importlib.resources import files
@@ -31,12 +32,13 @@ from fastddrive.data.sample import NAV_COMMANDS, DrivingDataset, DrivingSample, 
 from fastddrive.decode.registry import DECODERS
 from fastddrive.inputs import image_from_bytes
 from fastddrive.outputs import finite
-from fastddrive.planner import PlanInputs, Planner
+from fastddrive.planner import ModelFacts, PlanInputs, Planner
 from fastddrive.serve.metrics import PlanTiming, ServiceMetrics
 from fastddrive.serve.schemas import ZERO_HISTORY, PlanAnswer, PlanRequest, checked_request, decode_images, refusal
 from fastddrive.serve.worker import ModelWorker, NotReady, QueueFull
 
 RETRY_AFTER_S = 1
+SWITCH_INTERVAL_S = 0.0005
 REFUSALS: dict[int | str, dict[str, Any]] = {
     422: {"description": "A field is wrong; `detail[].loc` names it."},
     503: {"description": "The queue is full or the model is not loaded yet; see Retry-After."},
@@ -50,10 +52,12 @@ def create_app(
     max_queue: int = 32,
     timeout_s: float = 10.0,
     data: Path | None = None,
+    isolated: bool = False,
 ) -> FastAPI:
-    """The service; `load()` runs on the model worker's thread at startup (/readyz says when it is done)."""
+    """The service; `load()` runs at startup on the model worker's thread, or in the model's own process
+    (`isolated`: then it must be picklable); /readyz says when it is done."""
     default_decoder = decoder  # the form has a field of the same name
-    worker = ModelWorker(load, max_queue)
+    worker = ModelWorker(load, max_queue, isolated)
     metrics = ServiceMetrics(worker.depth)
     dataset = DrivingDataset.open(data) if data is not None else None
 
@@ -85,11 +89,11 @@ def create_app(
 
     app.add_middleware(PlanTiming, metrics=metrics)
 
-    def ready_planner() -> Planner:
+    def ready_model() -> ModelFacts:
         if not worker.ready:
             detail = worker.load_error or "the model is loading"
             raise HTTPException(503, detail, headers={"Retry-After": str(RETRY_AFTER_S)})
-        return worker.planner
+        return worker.facts
 
     async def answer(scene: PlanInputs, name: str, options: dict[str, Any]) -> Response:
         try:
@@ -109,10 +113,10 @@ def create_app(
     @app.post("/v1/plan", response_model=PlanAnswer, responses=REFUSALS)
     async def plan(request: PlanRequest) -> Response:
         """Plan one scene: base64 frames, ego history, command; the decoder and options are optional."""
-        planner = ready_planner()
+        facts = ready_model()
         images, errors = decode_images(request.images)
         name = request.decoder or decoder
-        checked = checked_request(planner, images, request.history, request.command, name, request.options, errors)
+        checked = checked_request(facts, images, request.history, request.command, name, request.options, errors)
         return await answer(*checked)
 
     @app.post("/v1/plan/form", response_model=PlanAnswer, responses=REFUSALS)
@@ -125,7 +129,7 @@ def create_app(
         options: Annotated[str, Form(description="The decoder's options as a JSON object.")] = "{}",
     ) -> Response:
         """The page's form: a frame upload (or a data-folder scene), history, command, decoder, options."""
-        planner = ready_planner()
+        facts = ready_model()
         images, errors, rows = [], [], None
         if scene:
             try:
@@ -149,7 +153,7 @@ def create_app(
         except ValueError:
             errors.append(refusal(("options",), 'options must be a JSON object, e.g. {"tau": 0.5}'))
             options_given = {}
-        checked = checked_request(planner, images, rows, command, decoder or default_decoder, options_given, errors)
+        checked = checked_request(facts, images, rows, command, decoder or default_decoder, options_given, errors)
         return await answer(*checked)
 
     def pick_scene(scene_id: str) -> DrivingSample:
@@ -225,4 +229,7 @@ def run(app: FastAPI, host: str, port: int, grace_s: float) -> None:
     """Serve until SIGTERM (or Ctrl+C): stop accepting, finish what is in flight (at most `grace_s`), return."""
     # uvicorn raises the signal again once it has shut down; this handler makes that a normal exit (status 0).
     signal.signal(signal.SIGTERM, lambda *_: None)
+    # A model on a thread of this process holds the interpreter lock through most of a decode step; the event
+    # loop then waits up to a switch interval (5 ms by default) each time it needs the lock.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=grace_s, log_level="info")

@@ -13,9 +13,9 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, ValidationError
 
 from fastddrive.data.sample import NAV_COMMANDS, SampleError
-from fastddrive.decode.registry import DECODERS, DecoderError, check_options, check_runs_on
+from fastddrive.decode.registry import DECODERS, DecoderError, check_options
 from fastddrive.inputs import image_from_base64
-from fastddrive.planner import PlanInputs, Planner
+from fastddrive.planner import ModelFacts, PlanInputs
 from fastddrive.schema import DrivingResponse
 
 ZERO_HISTORY = [[0.0] * 6 for _ in range(7)]
@@ -73,7 +73,7 @@ def decode_images(images: list[str]) -> tuple[list[np.ndarray], list[dict[str, A
 
 
 def checked_request(
-    planner: Planner,
+    facts: ModelFacts,
     images: list[np.ndarray],
     history: Any,
     command: str,
@@ -91,11 +91,11 @@ def checked_request(
         errors += [refusal(e["loc"], str(e["msg"]).removeprefix("Value error, ")) for e in err.errors()]
     if scene is not None and not any(e["loc"][1] in ("images", "frame") for e in errors):
         try:
-            planner.check_images(scene)
+            facts.check_images(scene)
         except SampleError as err:
             errors.append(refusal(("images",), str(err)))
     try:
-        check_runs_on(planner.model, decoder)
+        facts.check_decoder(decoder)
     except DecoderError as err:
         errors.append(refusal(("decoder",), str(err)))
     else:

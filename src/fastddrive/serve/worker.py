@@ -1,10 +1,11 @@
 """One thread owns the model and answers the requests one at a time, in arrival order, from a bounded queue.
 
 The event loop never runs the model: a request becomes a `Job` whose asyncio future the worker thread
-settles; each job carries its own future, so an answer can only reach the request that asked for it. A full
-queue is refused at once (QueueFull, a 503); a request past its time is withdrawn from the queue (its slot
-freed at once) or, if the model is already on it, its answer is dropped when it comes (a forward cannot be
-interrupted).
+settles. The model runs on that thread, or, with `isolated=True`, in a process of its own
+(`model_process`; the thread only waits on its pipe). Each job carries its own future, so an answer can only
+reach the request that asked for it. A full queue is refused at once (QueueFull, a 503); a request past
+its time is withdrawn from the queue (its slot freed at once) or, if the model is already on it, its
+answer is dropped when it comes (a forward cannot be interrupted).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastddrive.decode.result import DecodeResult
-from fastddrive.planner import PlanInputs, Planner
+from fastddrive.planner import ModelFacts, PlanInputs, Planner
+from fastddrive.serve.model_process import PlannerProcess
 
 
 class QueueFull(Exception):
@@ -45,11 +47,14 @@ class Job:
 
 
 class ModelWorker:
-    """The thread that loads the model with `load()` and then plans the queued jobs."""
+    """The thread that loads the model with `load()` (in a process of its own when `isolated`; `load` must
+    then be picklable, a module-level function or a partial of one) and then plans the queued jobs."""
 
-    def __init__(self, load: Callable[[], Planner], max_queue: int) -> None:
+    def __init__(self, load: Callable[[], Planner], max_queue: int, isolated: bool = False) -> None:
         self.max_queue = max_queue
-        self.planner: Planner | None = None
+        self.isolated = isolated
+        self.planner: Planner | PlannerProcess | None = None
+        self.facts: ModelFacts | None = None
         self.load_error: str | None = None
         self._load = load
         self._jobs: deque[Job] = deque()
@@ -98,26 +103,40 @@ class ModelWorker:
 
     def _run(self) -> None:
         try:
-            self.planner = self._load()
+            planner = PlannerProcess(self._load) if self.isolated else self._load()
         except Exception as err:  # the service stays up to say why on /readyz
             self.load_error = f"{type(err).__name__}: {err}"
             return
-        while True:
-            with self._changed:
-                while not self._jobs and not self._closing:
-                    self._changed.wait()
-                if not self._jobs:
-                    return
-                job = self._jobs.popleft()
-            began = time.perf_counter()
-            job.queue_ms = 1000 * (began - job.queued_at)
-            try:
-                result, error = self.planner.plan(job.scene, job.decoder, **job.options), None
-            except Exception as err:  # handed to the request that asked, never lost
-                result, error = None, err
-            job.plan_ms = 1000 * (time.perf_counter() - began)
-            with contextlib.suppress(RuntimeError):  # a stopped event loop: nobody waits for this answer
-                job.loop.call_soon_threadsafe(_settle, job.future, result, error)
+        self.facts, self.planner = planner.facts, planner
+        try:
+            while (job := self._next_job()) is not None:
+                job.queue_ms = 1000 * (time.perf_counter() - job.queued_at)
+                try:
+                    result, error = self._plan(job), None
+                except Exception as err:  # handed to the request that asked, never lost
+                    result, error = None, err
+                with contextlib.suppress(RuntimeError):  # a stopped event loop: nobody waits for this answer
+                    job.loop.call_soon_threadsafe(_settle, job.future, result, error)
+        finally:
+            if isinstance(planner, PlannerProcess):
+                planner.close()
+
+    def _next_job(self) -> Job | None:
+        """The oldest queued job; None once closing with nothing left."""
+        with self._changed:
+            while not self._jobs and not self._closing:
+                self._changed.wait()
+            return self._jobs.popleft() if self._jobs else None
+
+    def _plan(self, job: Job) -> DecodeResult:
+        """Plan one job; its plan_ms is the model's own time (the pipe to a model process is the service's)."""
+        if isinstance(self.planner, PlannerProcess):
+            result, job.plan_ms = self.planner.plan(job.scene, job.decoder, **job.options)
+            return result
+        began = time.perf_counter()
+        result = self.planner.plan(job.scene, job.decoder, **job.options)
+        job.plan_ms = 1000 * (time.perf_counter() - began)
+        return result
 
 
 def _settle(future: asyncio.Future, result: DecodeResult | None, error: Exception | None) -> None:
