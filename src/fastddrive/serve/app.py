@@ -93,7 +93,7 @@ def create_app(
         if not worker.ready:
             detail = worker.load_error or "the model is loading"
             raise HTTPException(503, detail, headers={"Retry-After": str(RETRY_AFTER_S)})
-        return worker.facts
+        return worker.planner.facts
 
     async def answer(scene: PlanInputs, name: str, options: dict[str, Any]) -> Response:
         try:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastddrive.decode.result import DecodeResult
-from fastddrive.planner import ModelFacts, PlanInputs, Planner
+from fastddrive.planner import PlanInputs, Planner
 from fastddrive.serve.model_process import PlannerProcess
 
 
@@ -54,7 +54,6 @@ class ModelWorker:
         self.max_queue = max_queue
         self.isolated = isolated
         self.planner: Planner | PlannerProcess | None = None
-        self.facts: ModelFacts | None = None
         self.load_error: str | None = None
         self._load = load
         self._jobs: deque[Job] = deque()
@@ -107,7 +106,7 @@ class ModelWorker:
         except Exception as err:  # the service stays up to say why on /readyz
             self.load_error = f"{type(err).__name__}: {err}"
             return
-        self.facts, self.planner = planner.facts, planner
+        self.planner = planner
         try:
             while (job := self._next_job()) is not None:
                 job.queue_ms = 1000 * (time.perf_counter() - job.queued_at)
