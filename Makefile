@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 DEMO_DIR ?= runs/demo
+# The official nuscenes-devkit pins numpy<2: it gets an environment of its own, which the tests read exports with.
+DEVKIT := .venv-nuscenes-devkit
 
 .PHONY: demo test lint clean
 
@@ -18,16 +20,21 @@ $(VENV)/.installed-test: pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/pip install -q -c constraints.txt -e ".[test]"
 	touch $@
 
+$(DEVKIT)/.installed:
+	$(PYTHON) -m venv $(DEVKIT)
+	$(DEVKIT)/bin/pip install -q "nuscenes-devkit==1.2.0" "numpy<2"
+	touch $@
+
 demo: $(VENV)/.installed
 	$(BIN)/fastddrive demo --out $(DEMO_DIR)
 
-test: $(VENV)/.installed-test
+test: $(VENV)/.installed-test $(DEVKIT)/.installed
 	$(BIN)/ruff check src tests
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	NUSCENES_DEVKIT_PYTHON=$(abspath $(DEVKIT))/bin/python HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(DEVKIT) runs

@@ -1,8 +1,11 @@
 """nuScenes adapter and exporter: simulator samples exported in the v1.0 layout and converted back."""
 
 import json
+import os
 import shutil
+import subprocess
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +23,12 @@ from fastddrive.data.nuscenes import (
     nuscenes_command,
 )
 from fastddrive.data.sample import DATASET_FORMAT, MANIFEST, DrivingDataset, write_shard
+from fastddrive.prompt import user_text
+
+# The official nuscenes-devkit pins numpy<2, so it runs in an interpreter of its own (`make test` builds one with
+# nuscenes-devkit 1.2.0 and names it here); the tests that read an export with it are skipped without one.
+DEVKIT_PYTHON = os.environ.get("NUSCENES_DEVKIT_PYTHON")
+needs_devkit = pytest.mark.skipif(not DEVKIT_PYTHON, reason="NUSCENES_DEVKIT_PYTHON is not set (`make test` sets it)")
 
 DEVKIT_TABLES = (  # the tables nuscenes-devkit's NuScenes() loads
     "category",
@@ -111,6 +120,8 @@ def test_export_then_convert_gives_back_the_samples(simulated, exported, convert
             assert sample.scenario == original.scenario
             assert sample.ego_size == original.ego_size
             assert np.allclose(sample.history, original.history, atol=1e-4)
+            # The planner reads the same state: a round trip's float noise moves no digit or sign of the prompt.
+            assert user_text("go_straight", sample.history) == user_text("go_straight", original.history)
             assert np.allclose(sample.future, original.future, atol=1e-4)
             assert np.allclose(sample.future_time_s, original.future_time_s, atol=1e-6)
             assert sample.command == nuscenes_command(original.future[11, 1])
@@ -294,3 +305,54 @@ def test_frames_whose_sides_are_not_multiples_of_28_are_resized(exported, tmp_pa
     for _, sample in _by_id(DrivingDataset.open(tmp_path / "out")).values():
         assert sample.image.shape == (252, 448, 3)  # 16:9 at 448 px wide, height rounded to 9 x 28 px
         assert np.abs(sample.image.astype(int) - (90, 120, 150)).max() <= 2
+
+
+@pytest.fixture(scope="module")
+def devkit(exported, tmp_path_factory):
+    """What the devkit reads from the export (tests/nuscenes_devkit_check.py, run in the devkit's interpreter)."""
+    out = tmp_path_factory.mktemp("devkit") / "devkit.json"
+    script = Path(__file__).with_name("nuscenes_devkit_check.py")
+    command = [DEVKIT_PYTHON, str(script), str(exported[0]), EXPORT_VERSION, str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@needs_devkit
+def test_the_devkit_loads_the_export_and_renders_a_camera_with_its_boxes(devkit, converted):
+    assert devkit["scenes"] == converted[1].scenes
+    assert Path(devkit["rendered"]).stat().st_size > 10_000
+
+
+@needs_devkit
+def test_the_devkits_future_and_command_are_the_converted_ones(devkit, converted):
+    samples = _by_id(converted[0])
+    assert samples and set(samples) <= set(devkit["samples"])  # every sample is a key frame the devkit plans from
+    for token, (_, sample) in samples.items():
+        seen = devkit["samples"][token]
+        future = np.array(seen["future"])  # the LIDAR_TOP frame: x right, y forward; ours: x forward, y left
+        assert np.allclose(sample.future[NUSCENES_FUTURE], np.stack([future[:, 1], -future[:, 0]], 1), atol=1e-4)
+        assert sample.command == seen["command"]
+
+
+@needs_devkit
+def test_the_devkits_boxes_and_interpolated_sweep_boxes_are_the_converted_agents(devkit, converted):
+    for token, (_, sample) in _by_id(converted[0]).items():
+        seen = devkit["samples"][token]
+        assert not seen["sweep_is_key_frame"]  # the first sweep lies between key frames: its boxes are interpolated
+        for step, key in ((0, "boxes"), (1, "sweep_boxes")):
+            ours = sample.agents[:, step, :2]
+            ours = ours[~np.isnan(ours).any(axis=1)]
+            boxes = np.array(seen[key]).reshape(-1, 2)
+            assert len(boxes) == len(ours), (token, key)
+            boxes = np.stack([boxes[:, 1], -boxes[:, 0]], axis=1)
+            nearest = np.linalg.norm(ours[:, None] - boxes[None], axis=-1).min(axis=1, initial=np.inf)
+            assert nearest.max(initial=0.0) < 1e-3, (token, key, nearest.max(initial=0.0))
+
+
+@needs_devkit
+def test_the_devkits_can_bus_velocity_is_the_history_velocity(devkit, converted):
+    for token, (_, sample) in _by_id(converted[0]).items():
+        velocity = devkit["samples"][token]["can_velocity"]
+        assert velocity is not None, token
+        assert np.allclose(sample.history[-1, 2:4], velocity, atol=1e-4)

@@ -65,6 +65,9 @@ def test_the_prompt_states_velocity_acceleration_and_past_positions():
     assert text == (
         "Command: go_left. Velocity +3.8 +3.9. Acceleration +4.0 +4.1. Past positions +0.0 +0.1 +1.2 +1.3 +2.4 +2.5."
     )
+    noisy = history.copy()
+    noisy[-1, 2:6] = [-1e-17, -0.04, 0.04, -0.06]  # float noise around zero is +0.0; a real -0.06 stays -0.1
+    assert "Velocity +0.0 +0.0. Acceleration +0.0 -0.1." in user_text("go_left", noisy)
     assert chat_text("go_left", history).count("<|image_pad|>") == 1
     assert chat_text("go_left", history).endswith("<|im_start|>assistant\n")
     with pytest.raises(SampleError, match="unknown navigation command"):

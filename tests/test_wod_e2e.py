@@ -24,6 +24,7 @@ from fastddrive.data.wod_e2e import (
 )
 from fastddrive.data.wod_tfrecord import (
     CorruptRecord,
+    WodFrame,
     decode_frame,
     encode_frame,
     read_frames,
@@ -110,9 +111,35 @@ def test_export_writes_the_release_layout(dataset, tmp_path):
     assert "preference_trajectories" not in record  # as in the release, the raters are in the TFRecords
     assert sorted(p.name for p in tmp_path.glob("*.tfrecord*")) == sorted(FRAMES.values())
     frames = list(read_frames(tmp_path / FRAMES["validation"]))
-    assert [name for name, _ in frames] == [s.sample_id for s in stored(dataset)["val"]]
-    assert [t["preference_score"] for t in frames[0][1]] == original.rater_scores.tolist()
-    assert [name for name, rated in read_frames(tmp_path / FRAMES["training"]) if rated] == []
+    assert [frame.name for frame in frames] == [s.sample_id for s in stored(dataset)["val"]]
+    assert [t["preference_score"] for t in frames[0].raters] == original.rater_scores.tolist()
+    assert [frame.name for frame in read_frames(tmp_path / FRAMES["training"]) if frame.raters] == []
+    # Each frame carries the logged future (float32 on the wire), the intent and the timestamp too.
+    for frame, sample in zip(frames, stored(dataset)["val"], strict=True):
+        np.testing.assert_allclose(frame.future, sample.future, rtol=1e-6, atol=1e-5)
+        assert frame.intent == "GO_STRAIGHT" if sample.command == "go_straight" else frame.intent != "UNKNOWN"
+        assert frame.timestamp_micros == round(sample.time_s * 1e6)
+
+
+def test_a_record_without_future_waypoints_takes_the_tfrecord_future_states(dataset, tmp_path):
+    release = tmp_path / "release"
+    export_wod_e2e(dataset, release, image_format="png")
+    for path in release.glob("*.json"):
+        records = load(path)
+        for record in records:
+            del record["future waypoints"]
+        path.write_text(json.dumps(records))
+    report = convert_wod_e2e(release, tmp_path / "back")
+    assert report.failures == []
+    back, original = stored(tmp_path / "back"), stored(dataset)
+    for split in ("train", "val", "test"):
+        for b, o in zip(back[split], original[split], strict=True):
+            np.testing.assert_allclose(b.future, o.future, rtol=1e-6, atol=1e-5)
+
+    for path in release.glob("*.tfrecord*"):
+        path.unlink()  # neither the record nor a frame has the future: the record is malformed, by name
+    report = convert_wod_e2e(release, tmp_path / "bare")
+    assert report.failures and all("future waypoints" in failure for failure in map(str, report.failures))
 
 
 # The human turn of the release's example (SaFo-Lab/dVLM-AD eval/inference.py), verbatim.
@@ -375,14 +402,24 @@ def test_e2ed_frames_use_the_official_field_numbers():
     rater = b"\x0a\x04" + f32(1.0) + b"\x12\x04" + f32(2.0) + b"\x45" + f32(10.0)
     # E2EDFrame.preference_trajectories = 8 (tag 0x42)
     assert data == name + b"\x42" + bytes([len(rater)]) + rater
-    assert decode_frame(data) == ("ab", [{"pos_x": [1.0], "pos_y": [2.0], "preference_score": 10.0}])
+    assert decode_frame(data) == WodFrame("ab", raters=[{"pos_x": [1.0], "pos_y": [2.0], "preference_score": 10.0}])
 
-    # A frame as WOD writes it holds more, skipped: Frame.timestamp_micros = 2 (varint), Frame.images = 4 with
-    # CameraImage name = 1 and image = 2, E2EDFrame.future_states = 5, E2EDFrame.intent = 7 (varint).
+    # Frame.timestamp_micros = 2 (varint), E2EDFrame.future_states = 5 (pos_x, pos_y, pos_z packed floats),
+    # E2EDFrame.intent = 7 (varint; GO_LEFT = 2), written before the raters in field order.
+    states = encode_frame("ab", [], [], future=np.array([[3.0, 4.0]]), intent="GO_LEFT", timestamp_micros=42)
+    future = b"\x0a\x04" + f32(3.0) + b"\x12\x04" + f32(4.0) + b"\x1a\x04" + f32(0.0)
+    frame = b"\x0a\x04\x0a\x02ab" + b"\x10\x2a"  # Frame { context { name }, timestamp_micros = 42 }
+    assert states == b"\x0a\x08" + frame + b"\x2a" + bytes([len(future)]) + future + b"\x38\x02"
+    decoded = decode_frame(states)
+    assert (decoded.name, decoded.timestamp_micros, decoded.intent, decoded.raters) == ("ab", 42, "GO_LEFT", [])
+    np.testing.assert_array_equal(decoded.future, [[3.0, 4.0]])
+
+    # A frame as WOD writes it holds more, skipped: Frame.images = 4 with CameraImage name = 1 and image = 2,
+    # E2EDFrame.past_states = 6.
     image = b"\x08\x01" + b"\x12\x03jpg"
-    frame = b"\x0a\x04\x0a\x02ab" + b"\x10\x2a" + b"\x22" + bytes([len(image)]) + image
-    future = b"\x0a\x04" + f32(5.0)
-    full = b"\x0a" + bytes([len(frame)]) + frame + b"\x2a\x06" + future + b"\x38\x01" + data[len(name) :]
+    frame = b"\x0a\x04\x0a\x02ab" + b"\x22" + bytes([len(image)]) + image
+    past = b"\x0a\x04" + f32(5.0)
+    full = b"\x0a" + bytes([len(frame)]) + frame + b"\x32\x06" + past + data[len(name) :]
     assert decode_frame(full) == decode_frame(data)
     with pytest.raises(ValueError, match="E2EDFrame"):
         decode_frame(b"\x0a\xff")

@@ -2,7 +2,7 @@
 
 The sample keeps the whole history (7 x 6); the prompt states what a planner needs of it in few tokens:
 the velocity and acceleration now, and the positions 3, 2 and 1 s ago (ego frame at t = 0). Numbers
-carry an explicit sign and one decimal. Image placeholders are expanded by the model, not here.
+carry an explicit sign and one decimal (zero is +0.0). Image placeholders are expanded by the model, not here.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ PAST_ROWS = (0, 2, 4)  # history rows at t = -3, -2, -1 s
 
 
 def _numbers(values: np.ndarray) -> str:
-    return " ".join(f"{v:+.1f}" for v in values)
+    # Rounded first, and a rounded zero written +0.0: the prompt must not hang on the sign of float noise (a
+    # lateral speed of -1e-17 m/s in one source and +1e-17 in another, say, after a change of frames).
+    return " ".join(f"{round(float(v), 1) + 0.0:+.1f}" for v in values)
 
 
 def state_text(history: np.ndarray) -> str:

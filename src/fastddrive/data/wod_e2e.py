@@ -20,7 +20,8 @@ writes `training.json`, `validation.json`, `test.json`, the WOD-E2E split names.
   `gt_5waypoints_1s` and `rated` (convert_wod_e2e.py); `timestamp_micros`, `history waypoints`, `velocity`,
   `acceleration` (dVLM-AD `eval/waymo/eval_planning.py`): WOD-E2E `past_states`, 16 rows at 4 Hz over
   (-4, 0] s, of which rows 3, 5, ..., 15 are the 0.5 s history (convert_wod_e2e.py HIST_IDX). Without them
-  the history is read from the prompt (2 decimals).
+  the history is read from the prompt (2 decimals). A record without `future waypoints` takes its TFRecord
+  frame's `future_states` (WOD-E2E's logged future, t = (0, 5] s at 4 Hz).
 
 Where the release is silent, or this project differs (choices made here):
 - Raters: the release keeps them in the WOD-E2E TFRecords (`E2EDFrame.preference_trajectories`, read by
@@ -34,8 +35,9 @@ Where the release is silent, or this project differs (choices made here):
   without them is malformed (its frame is missing or was lost to a corrupt record, reported on its own).
   Rater paths are cut or padded (last point repeated) to 20 points and the first 3 raters kept, as the
   official evaluator (waymo-open-dataset `metrics/python/rater_feedback_utils.py`). An export writes the JSON
-  without raters and, per split, `<split>.tfrecord-00000-of-00001`: one E2EDFrame per sample holding its name
-  and raters only (no cameras or states).
+  without raters and, per split, `<split>.tfrecord-00000-of-00001`: one E2EDFrame per sample holding its name,
+  timestamp, logged future (`future_states`, z = 0), intent and raters (no cameras, calibrations or past
+  states: the simulator's history has 7 points at 2 Hz where `past_states` holds 16 at 4 Hz).
 - Unrated frames: the official evaluator scores a frame only when it has preference trajectories and the
   first one's score is not -1 (evaluate_waymo_metrics.py `load_waymo_e2e_data`); in val and test other
   frames are dropped and counted (as is a record with `rated: false` and no trajectories); in train they
@@ -85,7 +87,7 @@ from fastddrive.data.sample import (
     write_atomically,
     write_shard,
 )
-from fastddrive.data.wod_tfrecord import CorruptRecord, encode_frame, read_frames, write_records
+from fastddrive.data.wod_tfrecord import CorruptRecord, WodFrame, encode_frame, read_frames, write_records
 from fastddrive.schema import CRITICAL_OBJECT_CLASSES, WAYPOINT_INTERVAL_S, DrivingResponse, MetaBehavior, parse, render
 
 SOURCE = "wod-e2e"
@@ -141,7 +143,7 @@ _STATE = re.compile(
 )
 
 
-Frames = dict[str, list[dict[str, Any]]]  # frame name -> its preference trajectories, as wod_tfrecord.decode_frame
+Frames = dict[str, WodFrame]  # frame name -> its E2EDFrame fields, as wod_tfrecord.decode_frame
 
 
 class RecordError(ValueError):
@@ -319,7 +321,8 @@ def _raters(record: dict[str, Any], frames: Frames | None) -> tuple[np.ndarray, 
 
     Unrated is the official evaluator's rule: no preference trajectories, or the first one scored -1.
     """
-    rated = (frames or {}).get(str(record["sample_id"]), record.get("preference_trajectories"))
+    frame = (frames or {}).get(str(record["sample_id"]))
+    rated = frame.raters if frame is not None else record.get("preference_trajectories")
     if rated is None:
         if frames is not None and record.get("rated") is True:
             raise RecordError("marked rated, but no TFRecord frame of this name has preference trajectories")
@@ -333,6 +336,13 @@ def _raters(record: dict[str, Any], frames: Frames | None) -> tuple[np.ndarray, 
     return futures, np.array([t["preference_score"] for t in rated], dtype=np.float64)
 
 
+def _future(record: dict[str, Any], frame: WodFrame | None) -> np.ndarray:
+    """The record's `future waypoints`, else its TFRecord frame's `future_states`."""
+    if "future waypoints" in record or frame is None or frame.future is None:
+        return _xy(record["future waypoints"], "future waypoints")
+    return frame.future
+
+
 def _sample(
     record: dict[str, Any], split: str, root: Path, max_pixels: int, frames: Frames | None
 ) -> tuple[DrivingSample | None, bool]:
@@ -344,7 +354,7 @@ def _sample(
     command = record["navigation_command"]
     if command not in _COMMANDS:
         raise RecordError(f"unknown navigation_command {command!r}; known: {', '.join(_COMMANDS)}")
-    future = _xy(record["future waypoints"], "future waypoints")
+    future = _future(record, (frames or {}).get(str(record["sample_id"])))
     if len(future) != FUTURE_STEPS:
         raise RecordError(f"'future waypoints' must be {FUTURE_STEPS} points at 4 Hz, got {len(future)}")
     response, derived = _answer(answer, future)
@@ -394,8 +404,7 @@ def _read_frames(paths: list[Path], split: str) -> tuple[Frames | None, list[Rec
                 if isinstance(frame, CorruptRecord):
                     failures.append(RecordOutcome(path, f"#{frame.index}", split, error=frame.reason))
                 else:
-                    name, rated = frame
-                    frames[name] = rated
+                    frames[frame.name] = frame
         except OSError as err:
             failures.append(RecordOutcome(path, "", split, error=f"not readable: {err}"))
     return frames, failures
@@ -576,7 +585,16 @@ def export_wod_e2e(
         records, frames = [], []
         for sample in dataset.samples(name):
             records.append(release_record(sample, out, name, image_format))
-            frames.append(encode_frame(sample.sample_id, sample.rater_trajectories, sample.rater_scores))
+            frames.append(
+                encode_frame(
+                    sample.sample_id,
+                    sample.rater_trajectories,
+                    sample.rater_scores,
+                    future=sample.future,
+                    intent=INTENTS[sample.command],
+                    timestamp_micros=round(sample.time_s * 1e6),
+                )
+            )
             if on_item:
                 on_item()
         if records:

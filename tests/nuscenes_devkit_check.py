@@ -1,0 +1,94 @@
+"""What the official nuscenes-devkit reads from a nuScenes folder, as JSON, for `test_nuscenes_devkit.py`.
+
+Run with an interpreter that has nuscenes-devkit (it pins numpy<2, so not this project's environment):
+    python nuscenes_devkit_check.py DATAROOT VERSION OUT.json
+Per key frame that has 3 s of past and 3 s of future key frames (the ones a planning sample can use): the
+6 future LIDAR_TOP positions in the LIDAR_TOP frame at t = 0 and the command exactly as VAD's converter
+(tools/data_converter/vad_nuscenes_converter.py) computes them; the annotation boxes the devkit gives at
+that key frame and at the first lidar sweep after it (`get_sample_data`, which interpolates between key
+frames), in the same frame; the CAN bus `pose` message at the key frame's time. Also renders the front camera
+with its boxes, the devkit's own check that images, calibrations and boxes fit together.
+"""
+
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import numpy as np  # noqa: E402
+from nuscenes.can_bus.can_bus_api import NuScenesCanBus  # noqa: E402
+from nuscenes.nuscenes import NuScenes  # noqa: E402
+from nuscenes.utils.geometry_utils import transform_matrix  # noqa: E402
+from pyquaternion import Quaternion  # noqa: E402
+
+
+def lidar_global_pose(nusc: NuScenes, sample: dict) -> np.ndarray:
+    """VAD get_global_sensor_pose: the LIDAR_TOP pose in the global frame."""
+    record = nusc.get("sample_data", sample["data"]["LIDAR_TOP"])
+    ego = nusc.get("ego_pose", record["ego_pose_token"])
+    sensor = nusc.get("calibrated_sensor", record["calibrated_sensor_token"])
+    ego_matrix = transform_matrix(ego["translation"], Quaternion(ego["rotation"]))
+    return ego_matrix @ transform_matrix(sensor["translation"], Quaternion(sensor["rotation"]))
+
+
+def vad_future(nusc: NuScenes, sample: dict) -> tuple[np.ndarray, str]:
+    """VAD's ego_fut_trajs (6 future key frames, LIDAR_TOP frame at t = 0) and its command."""
+    record = nusc.get("sample_data", sample["data"]["LIDAR_TOP"])
+    ego = nusc.get("ego_pose", record["ego_pose_token"])
+    sensor = nusc.get("calibrated_sensor", record["calibrated_sensor_token"])
+    points, current = [], sample
+    for _ in range(6):
+        current = nusc.get("sample", current["next"])
+        points.append(lidar_global_pose(nusc, current)[:3, 3])
+    future = np.array(points) - np.array(ego["translation"])
+    future = (Quaternion(ego["rotation"]).inverse.rotation_matrix @ future.T).T
+    future = future - np.array(sensor["translation"])
+    future = (Quaternion(sensor["rotation"]).inverse.rotation_matrix @ future.T).T
+    command = "go_right" if future[-1, 0] >= 2 else "go_left" if future[-1, 0] <= -2 else "go_straight"
+    return future[:, :2], command
+
+
+def boxes_in_frame(nusc: NuScenes, lidar_token: str, reference: dict) -> list[list[float]]:
+    """Box centres (x, y) of a lidar sample_data, moved from its own LIDAR_TOP frame to `reference`'s."""
+    _, boxes, _ = nusc.get_sample_data(lidar_token)
+    to_global = lidar_global_pose(nusc, {"data": {"LIDAR_TOP": lidar_token}})
+    to_reference = np.linalg.inv(lidar_global_pose(nusc, reference))
+    moved = to_reference @ to_global
+    return [(moved @ np.append(box.center, 1.0))[:2].tolist() for box in boxes]
+
+
+def main(dataroot: str, version: str, out: str) -> None:
+    nusc = NuScenes(version=version, dataroot=dataroot, verbose=False)
+    can = NuScenesCanBus(dataroot=dataroot)
+    checked = {}
+    for sample in nusc.sample:
+        back, ahead, current = 0, 0, sample
+        while current["prev"] and back < 6:
+            current, back = nusc.get("sample", current["prev"]), back + 1
+        current = sample
+        while current["next"] and ahead < 6:
+            current, ahead = nusc.get("sample", current["next"]), ahead + 1
+        if back < 6 or ahead < 6:
+            continue
+        future, command = vad_future(nusc, sample)
+        lidar = nusc.get("sample_data", sample["data"]["LIDAR_TOP"])
+        scene = nusc.get("scene", sample["scene_token"])
+        poses = [m for m in can.get_messages(scene["name"], "pose") if m["utime"] == sample["timestamp"]]
+        checked[sample["token"]] = {
+            "future": future.tolist(),
+            "command": command,
+            "boxes": boxes_in_frame(nusc, lidar["token"], sample),
+            "sweep_boxes": boxes_in_frame(nusc, lidar["next"], sample),
+            "sweep_is_key_frame": nusc.get("sample_data", lidar["next"])["is_key_frame"],
+            "can_velocity": poses[0]["vel"][:2] if poses else None,
+        }
+    first = nusc.get("sample", next(iter(checked)))
+    rendered = out.removesuffix(".json") + ".png"
+    nusc.render_sample_data(first["data"]["CAM_FRONT"], out_path=rendered, verbose=False)
+    with open(out, "w") as file:
+        json.dump({"samples": checked, "scenes": len(nusc.scene), "rendered": rendered}, file)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
