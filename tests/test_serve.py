@@ -1,6 +1,7 @@
 """The planning service through a real HTTP client against servers on 127.0.0.1 (the embedded model): the
 library's answers, 422s naming the field, a burst past the queue, timeouts, SIGTERM, the page, metrics."""
 
+import asyncio
 import base64
 import io
 import json
@@ -26,6 +27,7 @@ from fastddrive.outputs import finite
 from fastddrive.planner import PlanInputs
 from fastddrive.serve.app import create_app
 from fastddrive.serve.loadtest import served
+from fastddrive.serve.worker import _let_the_loop_answer
 
 COMMANDS = ("go_straight", "go_left", "go_right")
 
@@ -237,3 +239,26 @@ def test_sigterm_during_a_burst_finishes_in_flight_refuses_new_and_exits_0(embed
             assert reply.status_code == 200
             assert reply.json()["token_ids"] == embedded.plan(inputs, "ss").token_ids
         assert process.wait(60) == 0
+
+
+def test_the_worker_lets_the_event_loop_answer_before_it_plans_again():
+    """The answer's callbacks run on the event loop, and what they queue after them (the request's coroutine
+    going on to its response), before the worker thread goes on; otherwise the next plan holds the GIL."""
+    loop = asyncio.new_event_loop()
+    ran = []
+    thread = threading.Thread(target=loop.run_forever)
+    thread.start()
+    try:
+
+        def settle():  # as _settle: resolving the future queues the waiting request's next step
+            ran.append("settled")
+            loop.call_soon(lambda: ran.append("responded"))
+
+        loop.call_soon_threadsafe(settle)
+        _let_the_loop_answer(loop)
+        ran.append("worker goes on")
+        assert ran == ["settled", "responded", "worker goes on"]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()

@@ -116,6 +116,7 @@ class ModelWorker:
                     result, error = None, err
                 with contextlib.suppress(RuntimeError):  # a stopped event loop: nobody waits for this answer
                     job.loop.call_soon_threadsafe(_settle, job.future, result, error)
+                    _let_the_loop_answer(job.loop)
         finally:
             if isinstance(planner, PlannerProcess):
                 planner.close()
@@ -136,6 +137,14 @@ class ModelWorker:
         result = self.planner.plan(job.scene, job.decoder, **job.options)
         job.plan_ms = 1000 * (time.perf_counter() - began)
         return result
+
+
+def _let_the_loop_answer(loop: asyncio.AbstractEventLoop, limit_s: float = 0.05) -> None:
+    """Wait (at most `limit_s`) until the event loop has run the answer's request on to its response: a plan
+    started at once would hold the GIL against it, and the answer would wait on the next plan's Python."""
+    answered = threading.Event()
+    loop.call_soon_threadsafe(loop.call_soon, answered.set)  # after the callbacks the answer's settling queues
+    answered.wait(limit_s)
 
 
 def _settle(future: asyncio.Future, result: DecodeResult | None, error: Exception | None) -> None:
