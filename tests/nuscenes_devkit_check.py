@@ -23,9 +23,9 @@ from nuscenes.utils.geometry_utils import transform_matrix  # noqa: E402
 from pyquaternion import Quaternion  # noqa: E402
 
 
-def lidar_global_pose(nusc: NuScenes, sample: dict) -> np.ndarray:
-    """VAD get_global_sensor_pose: the LIDAR_TOP pose in the global frame."""
-    record = nusc.get("sample_data", sample["data"]["LIDAR_TOP"])
+def lidar_global_pose(nusc: NuScenes, lidar_token: str) -> np.ndarray:
+    """VAD get_global_sensor_pose: the pose of a LIDAR_TOP sample_data in the global frame."""
+    record = nusc.get("sample_data", lidar_token)
     ego = nusc.get("ego_pose", record["ego_pose_token"])
     sensor = nusc.get("calibrated_sensor", record["calibrated_sensor_token"])
     ego_matrix = transform_matrix(ego["translation"], Quaternion(ego["rotation"]))
@@ -40,7 +40,7 @@ def vad_future(nusc: NuScenes, sample: dict) -> tuple[np.ndarray, str]:
     points, current = [], sample
     for _ in range(6):
         current = nusc.get("sample", current["next"])
-        points.append(lidar_global_pose(nusc, current)[:3, 3])
+        points.append(lidar_global_pose(nusc, current["data"]["LIDAR_TOP"])[:3, 3])
     future = np.array(points) - np.array(ego["translation"])
     future = (Quaternion(ego["rotation"]).inverse.rotation_matrix @ future.T).T
     future = future - np.array(sensor["translation"])
@@ -49,11 +49,11 @@ def vad_future(nusc: NuScenes, sample: dict) -> tuple[np.ndarray, str]:
     return future[:, :2], command
 
 
-def boxes_in_frame(nusc: NuScenes, lidar_token: str, reference: dict) -> list[list[float]]:
-    """Box centres (x, y) of a lidar sample_data, moved from its own LIDAR_TOP frame to `reference`'s."""
+def boxes_in_frame(nusc: NuScenes, lidar_token: str, reference_token: str) -> list[list[float]]:
+    """Box centres (x, y) of a lidar sample_data, moved from its own LIDAR_TOP frame to the reference one's."""
     _, boxes, _ = nusc.get_sample_data(lidar_token)
-    to_global = lidar_global_pose(nusc, {"data": {"LIDAR_TOP": lidar_token}})
-    to_reference = np.linalg.inv(lidar_global_pose(nusc, reference))
+    to_global = lidar_global_pose(nusc, lidar_token)
+    to_reference = np.linalg.inv(lidar_global_pose(nusc, reference_token))
     moved = to_reference @ to_global
     return [(moved @ np.append(box.center, 1.0))[:2].tolist() for box in boxes]
 
@@ -78,8 +78,8 @@ def main(dataroot: str, version: str, out: str) -> None:
         checked[sample["token"]] = {
             "future": future.tolist(),
             "command": command,
-            "boxes": boxes_in_frame(nusc, lidar["token"], sample),
-            "sweep_boxes": boxes_in_frame(nusc, lidar["next"], sample),
+            "boxes": boxes_in_frame(nusc, lidar["token"], lidar["token"]),
+            "sweep_boxes": boxes_in_frame(nusc, lidar["next"], lidar["token"]),
             "sweep_is_key_frame": nusc.get("sample_data", lidar["next"])["is_key_frame"],
             "can_velocity": poses[0]["vel"][:2] if poses else None,
         }

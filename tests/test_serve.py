@@ -82,11 +82,11 @@ def test_the_model_runs_in_its_own_process_and_a_failed_load_says_why(url):
     try:
         assert planner._process.pid != os.getpid() and planner.facts.kind == "autoregressive"
         with pytest.raises(DecoderError, match="needs a block-diffusion checkpoint"):
-            planner.plan(PlanInputs(images=[], history=np.zeros((7, 6)), command="go_straight"), "ss")
+            planner.timed_plan(PlanInputs(images=[], history=np.zeros((7, 6)), command="go_straight"), "ss")
     finally:
         planner.close()
     with pytest.raises(ModelProcessDied):
-        planner.plan(PlanInputs(images=[], history=np.zeros((7, 6)), command="go_straight"), "ar")
+        planner.timed_plan(PlanInputs(images=[], history=np.zeros((7, 6)), command="go_straight"), "ar")
     app = create_app(partial(fastddrive.load, "/no/such/model"), isolated=True)
     with TestClient(app) as client:  # the load fails in the model process; the service says why
         deadline = time.monotonic() + 60

@@ -17,6 +17,7 @@ from functools import cache
 
 import torch
 import torch.nn.functional as F
+from transformers.models.qwen2.modeling_qwen2 import rotate_half
 
 
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -53,7 +54,7 @@ def attention_inputs(
     if projected.shape[1] > width + kv_heads * dim:
         rotated = projected[:, width + kv_heads * dim :].view(tokens, heads + kv_heads, dim)
     else:
-        rotated = torch.cat([-qk[..., dim // 2 :], qk[..., : dim // 2]], dim=-1)
+        rotated = rotate_half(qk)
     qk = torch.addcmul(qk * cos, rotated, sin)
     q = qk[:, :heads].view(rows, tokens // rows, heads, dim).transpose(1, 2)
     k, v = qk[:, heads:], projected[:, width : width + kv_heads * dim]

@@ -31,6 +31,7 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLImageProcessorPil,
 )
+from transformers.models.qwen2.modeling_qwen2 import rotate_half
 
 from fastddrive.kv_cache import KVCache
 from fastddrive.layer_halves import layer_halves, rms_norm
@@ -146,11 +147,10 @@ def _folded(weight: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
 
 
 def _rotated(projection: torch.Tensor, heads: int) -> torch.Tensor:
-    """The rows (or bias) of a q or k projection that give rotate_half of its output, head by head:
-    rotate_half(x) = [-x2, x1] on each head's halves. Exact (a signed permutation)."""
-    per_head = projection.reshape(heads, -1, *projection.shape[1:])
-    first, second = per_head.chunk(2, dim=1)
-    return torch.cat([-second, first], dim=1).reshape(projection.shape)
+    """The rows (or bias) of a q or k projection that give rotate_half of its output, head by head. Exact
+    (a signed permutation of the rows)."""
+    rows = projection.reshape(heads, projection.shape[0] // heads, -1).transpose(1, 2)  # (heads, in, d)
+    return rotate_half(rows).transpose(1, 2).reshape(projection.shape)
 
 
 class BlockDiffusionModel:

@@ -316,15 +316,16 @@ def _rater_future(rated: dict[str, Any]) -> np.ndarray:
     return np.concatenate([points[:FUTURE_STEPS], padding])
 
 
-def _raters(record: dict[str, Any], frames: Frames | None) -> tuple[np.ndarray, np.ndarray] | None:
+def _raters(
+    record: dict[str, Any], frame: WodFrame | None, has_tfrecords: bool
+) -> tuple[np.ndarray, np.ndarray] | None:
     """The rater futures and scores (from the record's TFRecord frame, else the record), None for an unrated frame.
 
     Unrated is the official evaluator's rule: no preference trajectories, or the first one scored -1.
     """
-    frame = (frames or {}).get(str(record["sample_id"]))
     rated = frame.raters if frame is not None else record.get("preference_trajectories")
     if rated is None:
-        if frames is not None and record.get("rated") is True:
+        if has_tfrecords and record.get("rated") is True:
             raise RecordError("marked rated, but no TFRecord frame of this name has preference trajectories")
         return None if record.get("rated") is False else (np.zeros((0, FUTURE_STEPS, 2)), np.zeros(0))
     if not isinstance(rated, list) or not all(isinstance(t, dict) for t in rated):
@@ -347,14 +348,15 @@ def _sample(
     record: dict[str, Any], split: str, root: Path, max_pixels: int, frames: Frames | None
 ) -> tuple[DrivingSample | None, bool]:
     """The record as a sample (None for an unrated frame that `split` drops) and whether its answer is derived."""
-    raters = _raters(record, frames)
+    frame = (frames or {}).get(str(record["sample_id"]))
+    raters = _raters(record, frame, frames is not None)
     if raters is None and split in RATER_SPLITS:
         return None, False
     prompt, answer = _conversation(record)
     command = record["navigation_command"]
     if command not in _COMMANDS:
         raise RecordError(f"unknown navigation_command {command!r}; known: {', '.join(_COMMANDS)}")
-    future = _future(record, (frames or {}).get(str(record["sample_id"])))
+    future = _future(record, frame)
     if len(future) != FUTURE_STEPS:
         raise RecordError(f"'future waypoints' must be {FUTURE_STEPS} points at 4 Hz, got {len(future)}")
     response, derived = _answer(answer, future)

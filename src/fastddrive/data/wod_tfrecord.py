@@ -133,6 +133,7 @@ E2EDFrame = _e2ed_frame_class()
 
 
 INTENT_NUMBERS = {"UNKNOWN": 0, "GO_STRAIGHT": 1, "GO_LEFT": 2, "GO_RIGHT": 3}  # EgoIntent.Intent
+_INTENT_NAMES = {number: name for name, number in INTENT_NUMBERS.items()}
 
 
 @dataclass
@@ -164,7 +165,7 @@ def decode_frame(data: bytes) -> WodFrame:
         if len(states.pos_x) != len(states.pos_y):
             raise ValueError(f"future_states has {len(states.pos_x)} pos_x but {len(states.pos_y)} pos_y")
         future = np.stack([states.pos_x, states.pos_y], axis=-1).astype(np.float64)
-    intent = {number: name for name, number in INTENT_NUMBERS.items()}.get(frame.intent, "UNKNOWN")
+    intent = _INTENT_NAMES.get(frame.intent, "UNKNOWN")
     return WodFrame(frame.frame.context.name, frame.frame.timestamp_micros, future, intent, rated)
 
 

@@ -27,8 +27,30 @@ class ModelProcessDied(RuntimeError):
     """The model process ended while the service still needed it."""
 
 
+def timed_plan(planner: Planner, scene: PlanInputs, decoder: str, **options: Any) -> tuple[DecodeResult, float]:
+    """`planner.plan`'s answer and how long it took (ms)."""
+    began = time.perf_counter()
+    result = planner.plan(scene, decoder, **options)
+    return result, 1000 * (time.perf_counter() - began)
+
+
+class PlannerOnThread:
+    """A planner loaded on the calling thread, behind `PlannerProcess`'s interface (`facts`, `timed_plan`,
+    `close`), so that the model worker treats both alike."""
+
+    def __init__(self, load: Callable[[], Planner]) -> None:
+        self._planner = load()
+        self.facts: ModelFacts = self._planner.facts
+
+    def timed_plan(self, scene: PlanInputs, decoder: str, **options: Any) -> tuple[DecodeResult, float]:
+        return timed_plan(self._planner, scene, decoder, **options)
+
+    def close(self) -> None:
+        """Nothing to release: the model goes with its thread."""
+
+
 class PlannerProcess:
-    """`load()` run in a child process; then `plan` as `Planner.plan`, and `facts` as `Planner.facts`."""
+    """`load()` run in a child process; then `timed_plan`, and `facts` as `Planner.facts`."""
 
     def __init__(self, load: Callable[[], Planner]) -> None:
         context = multiprocessing.get_context("spawn")  # a fork would copy the server's threads and locks
@@ -42,7 +64,7 @@ class PlannerProcess:
             raise loaded
         self.facts: ModelFacts = loaded
 
-    def plan(self, scene: PlanInputs, decoder: str, **options: Any) -> tuple[DecodeResult, float]:
+    def timed_plan(self, scene: PlanInputs, decoder: str, **options: Any) -> tuple[DecodeResult, float]:
         """The answer, and how long the model process spent planning it (ms, without the pipe)."""
         try:
             self._conn.send((scene, decoder, options))
@@ -82,12 +104,11 @@ def _serve_plans(load: Callable[[], Planner], conn: Connection) -> None:
     conn.send(planner.facts)
     while (job := conn.recv()) is not None:
         scene, decoder, options = job
-        began = time.perf_counter()
         try:
-            answer, error = planner.plan(scene, decoder, **options), None
+            (answer, plan_ms), error = timed_plan(planner, scene, decoder, **options), None
         except Exception as err:  # handed back to the request that asked
-            answer, error = None, _sendable(err)
-        conn.send((answer, error, 1000 * (time.perf_counter() - began)))
+            answer, plan_ms, error = None, 0.0, _sendable(err)
+        conn.send((answer, error, plan_ms))
 
 
 def _sendable(err: Exception) -> Exception:

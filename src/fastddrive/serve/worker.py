@@ -21,7 +21,7 @@ from typing import Any
 
 from fastddrive.decode.result import DecodeResult
 from fastddrive.planner import PlanInputs, Planner
-from fastddrive.serve.model_process import PlannerProcess
+from fastddrive.serve.model_process import PlannerOnThread, PlannerProcess
 
 
 class QueueFull(Exception):
@@ -53,7 +53,7 @@ class ModelWorker:
     def __init__(self, load: Callable[[], Planner], max_queue: int, isolated: bool = False) -> None:
         self.max_queue = max_queue
         self.isolated = isolated
-        self.planner: Planner | PlannerProcess | None = None
+        self.planner: PlannerOnThread | PlannerProcess | None = None
         self.load_error: str | None = None
         self._load = load
         self._jobs: deque[Job] = deque()
@@ -102,7 +102,7 @@ class ModelWorker:
 
     def _run(self) -> None:
         try:
-            planner = PlannerProcess(self._load) if self.isolated else self._load()
+            planner = PlannerProcess(self._load) if self.isolated else PlannerOnThread(self._load)
         except Exception as err:  # the service stays up to say why on /readyz
             self.load_error = f"{type(err).__name__}: {err}"
             return
@@ -111,15 +111,15 @@ class ModelWorker:
             while (job := self._next_job()) is not None:
                 job.queue_ms = 1000 * (time.perf_counter() - job.queued_at)
                 try:
-                    result, error = self._plan(job), None
+                    # plan_ms is the model's own time: the pipe to a model process counts as the service's.
+                    (result, job.plan_ms), error = self.planner.timed_plan(job.scene, job.decoder, **job.options), None
                 except Exception as err:  # handed to the request that asked, never lost
                     result, error = None, err
                 with contextlib.suppress(RuntimeError):  # a stopped event loop: nobody waits for this answer
                     job.loop.call_soon_threadsafe(_settle, job.future, result, error)
                     _let_the_loop_answer(job.loop)
         finally:
-            if isinstance(planner, PlannerProcess):
-                planner.close()
+            planner.close()
 
     def _next_job(self) -> Job | None:
         """The oldest queued job; None once closing with nothing left."""
@@ -127,16 +127,6 @@ class ModelWorker:
             while not self._jobs and not self._closing:
                 self._changed.wait()
             return self._jobs.popleft() if self._jobs else None
-
-    def _plan(self, job: Job) -> DecodeResult:
-        """Plan one job; its plan_ms is the model's own time (the pipe to a model process is the service's)."""
-        if isinstance(self.planner, PlannerProcess):
-            result, job.plan_ms = self.planner.plan(job.scene, job.decoder, **job.options)
-            return result
-        began = time.perf_counter()
-        result = self.planner.plan(job.scene, job.decoder, **job.options)
-        job.plan_ms = 1000 * (time.perf_counter() - began)
-        return result
 
 
 def _let_the_loop_answer(loop: asyncio.AbstractEventLoop, limit_s: float = 0.05) -> None:
