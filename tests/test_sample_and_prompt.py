@@ -1,7 +1,13 @@
+import io
+import struct
+import zlib
+
 import numpy as np
 import pytest
+from PIL import Image
 
-from fastddrive.data.sample import CameraView, DrivingSample, SampleError, from_row, to_row
+from fastddrive.data.sample import CameraView, DrivingSample, SampleError, decode_png, from_row, to_row
+from fastddrive.inputs import image_from_bytes
 from fastddrive.prompt import chat_text, user_text
 from fastddrive.schema import example_response
 
@@ -74,3 +80,42 @@ def test_the_prompt_states_velocity_acceleration_and_past_positions():
         user_text("left", history)
     with pytest.raises(SampleError, match="history must be 7 rows"):
         user_text("go_left", history[:3])
+
+
+def _png(image: Image.Image) -> bytes:
+    data = io.BytesIO()
+    image.save(data, "PNG")
+    return data.getvalue()
+
+
+@pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "LA", "P", "1"])
+def test_png_frames_decode_to_the_rgb_pillow_gives(mode):
+    pixels = np.random.default_rng(0).integers(0, 256, (56, 84, 3), dtype=np.uint8)
+    data = _png(Image.fromarray(pixels).convert(mode))
+    expected = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+    for decoded in (decode_png(data), image_from_bytes(data)):
+        assert decoded.dtype == np.uint8 and decoded.shape == (56, 84, 3)
+        np.testing.assert_array_equal(decoded, expected)
+
+
+def test_sixteen_bit_png_channels_are_scaled_to_eight():
+    levels = np.array([[0, 257, 32896, 65535]], dtype=np.uint16)  # 0, 1, 128, 255 in 8 bits
+    decoded = decode_png(_png(Image.fromarray(levels)))
+    np.testing.assert_array_equal(decoded[0, :, 0], [0, 1, 128, 255])
+    assert (decoded == decoded[..., :1]).all()
+
+
+def _chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def test_a_damaged_or_oversized_png_is_refused_in_one_line():
+    data = _png(Image.new("RGB", (56, 28)))
+    with pytest.raises(SampleError, match="not a readable PNG"):
+        decode_png(data[:60])  # cut inside its pixels
+    with pytest.raises(SampleError, match="not a readable PNG"):
+        decode_png(b"GIF89a" + data[6:])
+    # A header claiming 100,000 x 100,000 px is refused before anything is allocated.
+    header = _chunk(b"IHDR", struct.pack(">IIBBBBB", 100_000, 100_000, 8, 2, 0, 0, 0))
+    with pytest.raises(SampleError, match="100000x100000 px, more than"):
+        decode_png(data[:8] + header + _chunk(b"IEND", b""))

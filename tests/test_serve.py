@@ -25,8 +25,8 @@ from PIL import Image
 import fastddrive
 from fastddrive.outputs import finite
 from fastddrive.planner import PlanInputs
-from fastddrive.serve.app import create_app
-from fastddrive.serve.loadtest import served
+from fastddrive.serve.app import FiniteJSONResponse, create_app
+from fastddrive.serve.loadtest import LoadTestError, client_counts, load_test, served
 from fastddrive.serve.worker import _let_the_loop_answer
 
 COMMANDS = ("go_straight", "go_left", "go_right")
@@ -120,6 +120,7 @@ BAD = [
     ({"images": [_image((30, 30))]}, ["images"], "multiple of 28"),
     ({"images": [_image((28, 28), "GIF")]}, ["images", 0], "give PNG or JPEG"),
     ({"images": ["not base64!"]}, ["images", 0], "not valid base64"),
+    ({"images": [base64.b64encode(base64.b64decode(_image((28, 28)))[:50]).decode()]}, ["images", 0], "readable PNG"),
     ({"images": []}, ["images"], "give at least one camera image"),
     ({"history": [[0.0] * 6] * 3}, ["history"], "7 rows"),
     ({"history": [["0"] * 6] * 7}, ["history", 0, 0], "valid number"),
@@ -262,3 +263,21 @@ def test_the_worker_lets_the_event_loop_answer_before_it_plans_again():
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
         loop.close()
+
+
+def test_an_answer_with_nan_or_infinity_is_written_with_null():
+    assert FiniteJSONResponse({"ade": float("nan"), "path": [1.5, float("inf")], "ids": [3]}).body == (
+        b'{"ade":null,"path":[1.5,null],"ids":[3]}'
+    )
+
+
+def test_the_load_test_reads_the_overhead_after_the_first_burst_and_loses_no_request(embedded, scenes):
+    with running(create_app(lambda: embedded, "ss", max_queue=8, timeout_s=60)) as base:
+        row = load_test(base, scenes, "ss", clients=3, requests=7)
+    assert (row.answered, row.refused, row.failed) == (7, 0, 0)
+    # Per request the client's latency holds the service's time, so its median overhead cannot be smaller.
+    assert 0 < row.overhead_ms <= row.client_overhead_ms and row.burst_overhead_ms > 0
+    assert client_counts("1,4,16", 17) == [1, 4, 16]
+    for clients, requests, message in (("1,4,16", 16, "more requests than clients"), ("1,x", 9, "positive")):
+        with pytest.raises(LoadTestError, match=message):
+            client_counts(clients, requests)

@@ -47,6 +47,7 @@ def user_errors() -> Iterator[None]:
     from fastddrive.model_files import DeviceError, ModelFileError
     from fastddrive.random_init import UnknownPreset
     from fastddrive.schema import ResponseError
+    from fastddrive.serve.loadtest import LoadTestError
     from fastddrive.tokenizer import MissingDiffusionTokens
     from fastddrive.train.checkpoint import CheckpointError
     from fastddrive.train.config import ConfigError
@@ -67,6 +68,7 @@ def user_errors() -> Iterator[None]:
         ModelFileError,
         DeviceError,
         DriveError,
+        LoadTestError,
     )
     try:
         yield
@@ -928,7 +930,7 @@ def serve_bench_command(
     model: Annotated[str, typer.Option(help="'default' or a local model folder.")] = "default",
     decoders: Annotated[str, typer.Option(help="Comma-separated decoders.")] = "ss,ar",
     clients: Annotated[str, typer.Option(help="Comma-separated numbers of concurrent clients.")] = "1,4,16",
-    requests: Annotated[int, typer.Option(min=2, help="Requests per decoder and number of clients.")] = 32,
+    requests: Annotated[int, typer.Option(min=2, help="Requests per decoder and number of clients.")] = 64,
     scenes: Annotated[int, typer.Option(min=1, help="Fresh simulator scenes the requests cycle through.")] = 8,
     seed: Annotated[int, typer.Option(help="Seed of the fresh scenes.")] = 7,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the rows as JSON.")] = None,
@@ -940,23 +942,25 @@ def serve_bench_command(
     from fastddrive.decode.registry import get_decoder, split_decoders
     from fastddrive.eval.bench import bench_scenes
     from fastddrive.outputs import check_outputs, write_json
-    from fastddrive.serve.loadtest import serve_bench
+    from fastddrive.serve.loadtest import client_counts, serve_bench
 
     with user_errors():
         check_outputs(json_out)
         names = split_decoders(decoders)
         for name in names:
             get_decoder(name)
-        counts = [int(n) for n in clients.split(",")]
+        counts = client_counts(clients, requests)
         chosen = bench_scenes(None, "test", seed, max(scenes, 2))
         planner = fastddrive.load(model)
     rows = serve_bench(model, planner, chosen, names, counts, requests)
     table = Table(title=f"{model}: {requests} requests over {len(chosen)} scenes per row (CPU)")
     columns = ("decoder", "target", "clients", "answered", "503", "other", "plans/s", "p50 ms", "p99 ms")
-    for column in (*columns, "overhead ms", "client-seen ms"):
+    for column in (*columns, "overhead ms", "client-seen ms", "first-burst overhead ms"):
         table.add_column(column, justify="left" if column in ("decoder", "target") else "right")
     for row in sorted(rows, key=lambda r: (r.decoder, r.target == "service", r.clients)):
-        overheads = ("" if ms is None else f"{ms:.2f}" for ms in (row.overhead_ms, row.client_overhead_ms))
+        overheads = (
+            "" if ms is None else f"{ms:.2f}" for ms in (row.overhead_ms, row.client_overhead_ms, row.burst_overhead_ms)
+        )
         table.add_row(
             row.decoder,
             row.target,

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from fastddrive.data.sample import SampleError
+from fastddrive.data.sample import PNG_SIGNATURE, SampleError, decode_png
 
 IMAGE_FORMATS = ("PNG", "JPEG")
 
@@ -32,6 +32,8 @@ def read_image(path: Path) -> np.ndarray:
 
 def image_from_bytes(data: bytes) -> np.ndarray:
     """PNG or JPEG bytes as (H, W, 3) uint8 RGB; other formats are refused (a service takes no TIFF or GIF)."""
+    if data.startswith(PNG_SIGNATURE):
+        return decode_png(data)
     try:
         with Image.open(io.BytesIO(data)) as image:
             if image.format not in IMAGE_FORMATS:

@@ -18,6 +18,7 @@ import io
 import json
 import numbers
 import os
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pyspng
 from PIL import Image
 
 from fastddrive.schema import DrivingResponse, parse, render
@@ -176,8 +178,22 @@ def encode_png(image: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
 def decode_png(data: bytes) -> np.ndarray:
-    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+    """PNG bytes as (H, W, 3) uint8 RGB (alpha dropped, 16-bit channels scaled to 8), decoded by libspng: a
+    448 x 224 frame in about a third of Pillow's time, which a service pays per request. SampleError if the
+    bytes are not a PNG, or its header claims more than Pillow's `MAX_IMAGE_PIXELS` (a decompression bomb)."""
+    if len(data) < 24 or data[:8] != PNG_SIGNATURE or data[12:16] != b"IHDR":
+        raise SampleError("image is not a readable PNG")
+    width, height = struct.unpack(">II", data[16:24])
+    if width * height > Image.MAX_IMAGE_PIXELS:
+        raise SampleError(f"image is {width}x{height} px, more than the {Image.MAX_IMAGE_PIXELS} px allowed")
+    try:
+        return pyspng.load(data, "RGB")
+    except RuntimeError as err:  # libspng's own message: a damaged chunk, a truncated stream
+        raise SampleError(f"image is not a readable PNG ({str(err).removeprefix('pyspng: ')})") from None
 
 
 _SCHEMA = pa.schema(

@@ -46,6 +46,17 @@ REFUSALS: dict[int | str, dict[str, Any]] = {
 }
 
 
+class FiniteJSONResponse(JSONResponse):
+    """JSON with NaN and infinities as null (`outputs.finite`); the answer is walked for them only when the
+    plain rendering meets one (walking every answer costs a service about 0.3 ms a request)."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except ValueError:  # json.dumps(allow_nan=False): an out-of-range float
+            return super().render(finite(content))
+
+
 def create_app(
     load: Callable[[], Planner],
     decoder: str = "ss",
@@ -108,7 +119,7 @@ def create_app(
         metrics.answer(result)
         # Server-Timing lets a client tell the service's own overhead from queueing and planning.
         timing = f"queue;dur={job.queue_ms:.3f}, plan;dur={job.plan_ms:.3f}"
-        return JSONResponse(finite(result.to_json()), headers={"Server-Timing": timing})
+        return FiniteJSONResponse(result.to_json(), headers={"Server-Timing": timing})
 
     @app.post("/v1/plan", response_model=PlanAnswer, responses=REFUSALS)
     async def plan(request: PlanRequest) -> Response:
