@@ -48,12 +48,16 @@ def client_counts(text: str, requests: int) -> list[int]:
         counts = []
     if not counts or min(counts) < 1:
         raise LoadTestError(f"clients must be comma-separated positive integers, got {text!r}")
-    if requests <= max(counts):
+    _check_enough(requests, max(counts))
+    return counts
+
+
+def _check_enough(requests: int, clients: int) -> None:
+    if requests <= clients:
         raise LoadTestError(
-            f"{requests} requests at {max(counts)} clients: give more requests than clients, so that some are"
+            f"{requests} requests at {clients} clients: give more requests than clients, so that some are"
             " sent after the clients' first ones"
         )
-    return counts
 
 
 @dataclass
@@ -113,7 +117,7 @@ async def _drive(url: str, bodies: Sequence[dict], clients: int) -> tuple[list[t
 def load_test(url: str, scenes: Sequence[DrivingSample], decoder: str, clients: int, requests: int) -> LoadRow:
     """`requests` plans of the scenes (cycled) through the service at `clients` concurrent clients; more
     requests than clients, so that some are sent after the clients' first ones."""
-    client_counts(str(clients), requests)
+    _check_enough(requests, clients)
     bodies = [request_body(scenes[k % len(scenes)], decoder) for k in range(requests)]
     done, seconds = asyncio.run(_drive(url, bodies, clients))
     answered = [(index, latency, timing) for index, status, latency, timing in done if status == 200]
