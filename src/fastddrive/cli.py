@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -643,7 +642,7 @@ def plan_command(
     from fastddrive.data.sample import DrivingDataset, SampleError
     from fastddrive.decode.registry import parse_options
     from fastddrive.inputs import read_history, read_image
-    from fastddrive.outputs import finite
+    from fastddrive.outputs import finite_json
 
     with user_errors():
         options = parse_options(option or [], decoder)
@@ -664,7 +663,7 @@ def plan_command(
             raise SampleError("this model reads images: give --image")
         result = planner.plan(scene, decoder, **options)
     if as_json:
-        print(json.dumps(finite(result.to_json()), allow_nan=False))
+        print(finite_json(result.to_json()))
         if result.response is None:  # the JSON says why (its "error"); the status says it failed
             raise typer.Exit(1)
         return

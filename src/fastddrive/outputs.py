@@ -38,5 +38,15 @@ def finite(value: object) -> object:
     return value
 
 
+def finite_json(payload: object, **dumps: object) -> str:
+    """`json.dumps` of `payload` with NaN and infinities as null; the payload is walked for them (`finite`)
+    only when the plain rendering meets one, as the walk costs more than the rendering (a service pays it
+    on every answer)."""
+    try:
+        return json.dumps(payload, allow_nan=False, **dumps)
+    except ValueError:  # allow_nan=False met an out-of-range float
+        return json.dumps(finite(payload), allow_nan=False, **dumps)
+
+
 def write_json(path: Path, payload: object) -> None:
-    path.write_text(json.dumps(finite(payload), indent=2, allow_nan=False))
+    path.write_text(finite_json(payload, indent=2))
