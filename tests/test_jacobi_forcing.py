@@ -15,12 +15,13 @@ from fastddrive.decode.registry import decode
 from fastddrive.model_files import load_model, save_model
 from fastddrive.planner import prompt_inputs
 from fastddrive.scaffold import Scaffold
-from fastddrive.schema import SECTIONS
+from fastddrive.schema import SECTIONS, example_response, render
+from fastddrive.train import jacobi_forcing
 from fastddrive.train import trajectories as trajectories_module
 from fastddrive.train.checkpoint import list_checkpoints
 from fastddrive.train.collate import IGNORE, DualStreamCollator
 from fastddrive.train.config import ConfigError, load_config
-from fastddrive.train.jacobi_forcing import answer_sections, pack_batch
+from fastddrive.train.jacobi_forcing import JacobiForcingCollator, answer_parses, answer_sections, pack_batch
 from fastddrive.train.loop import train
 from fastddrive.train.losses import consistency_loss, jacobi_forcing_loss
 from fastddrive.train.progressive_noise import noise_ratios, noisy_blocks, noisy_state, unconverged_fraction
@@ -304,6 +305,7 @@ def test_a_jf_run_resumes_to_the_same_weights_as_an_uninterrupted_one(dataset, t
         jacobi_block_size=8,
         noise_window=4,
         steps=4,
+        skip_unparsed=False,  # a random teacher's answers never parse
         **QUICK,
     )
     whole = train(load_config("tiny-jf", out=str(tmp_path / "whole"), **settings))
@@ -325,3 +327,33 @@ def test_a_jf_run_resumes_to_the_same_weights_as_an_uninterrupted_one(dataset, t
 def test_the_jf_recipe_needs_trajectories():
     with pytest.raises(ConfigError, match="trajectories: the jf recipe needs a trajectories folder"):
         load_config("tiny-ar", recipe="jf")
+
+
+def test_an_answer_parses_with_or_without_its_stop_token_and_not_when_broken():
+    tokenizer = ar_model().tokenizer
+    ids = tokenizer.encode(render(example_response()), add_special_tokens=False)
+    stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert answer_parses(tokenizer, ids) and answer_parses(tokenizer, [*ids, stop])
+    assert not answer_parses(tokenizer, ids[:-3] + [stop])  # cut inside the trajectory
+    assert not answer_parses(tokenizer, ids[:40] + ids[41:])  # a token skipped, as broken Jacobi answers do
+
+
+def test_trajectories_whose_answers_do_not_parse_are_left_out_and_counted(dataset, teacher, tmp_path, monkeypatch):
+    collect(tmp_path / "trajectories", teacher, dataset, samples=4)
+    collected = read_trajectories(tmp_path / "trajectories").trajectories
+    settings = dict(data=dataset, init_from=teacher, trajectories=str(tmp_path / "trajectories"), jacobi_block_size=8)
+    config = load_config("tiny-jf", out=str(tmp_path / "run"), **settings)
+    model = load_model(teacher)
+    # The random teacher's answers never parse: let exactly the second one count as parsing.
+    monkeypatch.setattr(jacobi_forcing, "answer_parses", lambda tokenizer, answer: answer == collected[1].answer)
+    kept = JacobiForcingCollator(model, Scaffold(model.tokenizer), config)
+    assert kept.left_out == 3 and [t.sample_id for t in kept.trajectories] == [collected[1].sample_id]
+    whole = config.model_copy(update={"skip_unparsed": False})
+    everything = JacobiForcingCollator(model, Scaffold(model.tokenizer), whole)
+    assert everything.left_out == 0 and len(everything) == 4
+    said = []
+    train(config.model_copy(update={"steps": 1, **QUICK}), say=said.append)
+    assert "3 trajectories left out of 4: their answers do not parse" in said
+    monkeypatch.setattr(jacobi_forcing, "answer_parses", lambda tokenizer, answer: False)
+    with pytest.raises(ConfigError, match="no trajectory's answer parses"):
+        JacobiForcingCollator(model, Scaffold(model.tokenizer), config)

@@ -78,6 +78,9 @@ class TrainConfig(BaseModel):
     jacobi_block_size: int = Field(default=16, ge=1)
     noise_window: int = Field(default=16, ge=1)
     ar_weight: float = Field(default=1.0, ge=0)
+    # Leave out trajectories whose fixed point does not parse as a driving answer (tests of random
+    # teachers, whose answers never parse, keep them).
+    skip_unparsed: bool = True
     explanation_budget: int = Field(default=32, ge=1)
     scaffold_tokenization: Literal["pieces", "runs"] = "pieces"  # "runs" for real BPE vocabularies (scaffold.py)
     checkpoint_every: int = Field(default=200, ge=1)

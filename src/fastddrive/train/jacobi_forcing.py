@@ -21,12 +21,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from fastddrive.data.sample import DrivingDataset, from_row
 from fastddrive.model import BlockDiffusionModel, PromptInputs
 from fastddrive.planner import prompt_inputs
 from fastddrive.scaffold import Scaffold
-from fastddrive.schema import SECTIONS
+from fastddrive.schema import SECTIONS, ResponseError, parse
 from fastddrive.train.collate import IGNORE
 from fastddrive.train.config import ConfigError, TrainConfig
 from fastddrive.train.progressive_noise import noisy_blocks
@@ -49,6 +50,17 @@ def answer_sections(ids: Sequence[int], scaffold: Scaffold) -> np.ndarray:
         sections[found:] = k
         at = found + len(key)
     return sections
+
+
+def answer_parses(tokenizer: PreTrainedTokenizerBase, answer: Sequence[int]) -> bool:
+    """Whether a teacher's answer, without its stop token, is a valid driving answer."""
+    stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = list(answer[:-1]) if answer and answer[-1] == stop else list(answer)
+    try:
+        parse(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+    except ResponseError:
+        return False
+    return True
 
 
 def noise_aware_mask(
@@ -196,7 +208,9 @@ def pack_batch(
 
 class JacobiForcingCollator:
     """Training batches of the `jf` recipe: the trajectories of `config.trajectories` with their samples'
-    prompts, read from the split of `config.data` they were collected on."""
+    prompts, read from the split of `config.data` they were collected on. With `config.skip_unparsed` a
+    trajectory whose answer does not parse is left out (`left_out` counts them): both losses would teach
+    the broken answer, and a round-2 teacher's few broken answers would be trained back into it."""
 
     def __init__(self, model: BlockDiffusionModel, scaffold: Scaffold, config: TrainConfig) -> None:
         collected = read_trajectories(config.trajectories)
@@ -215,7 +229,12 @@ class JacobiForcingCollator:
                 )
         self.model = model
         self.scaffold = scaffold
-        self.trajectories = collected.trajectories
+        self.trajectories = [
+            t for t in collected.trajectories if not config.skip_unparsed or answer_parses(model.tokenizer, t.answer)
+        ]
+        self.left_out = len(collected.trajectories) - len(self.trajectories)
+        if not self.trajectories:
+            raise ConfigError(f"{config.trajectories}: no trajectory's answer parses as a driving answer")
         self.rows = rows
         self.window = config.noise_window
         self.weights = np.array([config.ar_section_weights[s] for s in SECTIONS])

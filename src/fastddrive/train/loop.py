@@ -223,6 +223,8 @@ def train(
     )
     # A Jacobi Forcing model stays an AR model: it is validated as the AR recipe's are.
     jacobi = JacobiForcingCollator(model, scaffold, config) if config.recipe == "jf" else None
+    if jacobi is not None and jacobi.left_out:
+        say(f"{jacobi.left_out} trajectories left out of {len(jacobi) + jacobi.left_out}: their answers do not parse")
     collator = DualStreamCollator(
         model, scaffold, config.model_copy(update={"recipe": "ar"}) if jacobi is not None else config
     )
