@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cache
+
+from transformers import PreTrainedTokenizerBase
 
 from fastddrive.decode.ar import ar_decode, ar_jump_decode
 from fastddrive.decode.fullseq import full_sequence_decode
@@ -182,16 +184,18 @@ def decode(
     )
 
 
+def free_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:
+    """The text of ids an AR model wrote freely, every token as written (special ones included)."""
+    return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
 def _answer(
     model: BlockDiffusionModel, scaffold: Scaffold, decoded: Decoded
 ) -> tuple[str, DrivingResponse | None, str | None, int]:
     """(text, response or None, why it does not parse or None, real tokens) of a decoder's ids."""
     ids = decoded.token_ids
     free = model.info.kind == "autoregressive"
-    if free:
-        text = model.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    else:
-        text = scaffold.text(ids)
+    text = free_text(model.tokenizer, ids) if free else scaffold.text(ids)
     tokens = len(ids) if free else sum(t != scaffold.null_id for t in ids)
     try:
         response = parse(text) if free else scaffold.decode(ids)

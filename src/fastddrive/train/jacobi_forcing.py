@@ -24,6 +24,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from fastddrive.data.sample import DrivingDataset, from_row
+from fastddrive.decode.registry import free_text
 from fastddrive.model import BlockDiffusionModel, PromptInputs
 from fastddrive.planner import prompt_inputs
 from fastddrive.scaffold import Scaffold
@@ -57,7 +58,7 @@ def answer_parses(tokenizer: PreTrainedTokenizerBase, answer: Sequence[int]) -> 
     stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
     ids = list(answer[:-1]) if answer and answer[-1] == stop else list(answer)
     try:
-        parse(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+        parse(free_text(tokenizer, ids))
     except ResponseError:
         return False
     return True
