@@ -306,6 +306,7 @@ def test_a_jf_run_resumes_to_the_same_weights_as_an_uninterrupted_one(dataset, t
         noise_window=4,
         steps=4,
         skip_unparsed=False,  # a random teacher's answers never parse
+        labelled_ar_weight=2.0,  # its batches of labelled answers are drawn per step too
         **QUICK,
     )
     whole = train(load_config("tiny-jf", out=str(tmp_path / "whole"), **settings))
@@ -320,6 +321,8 @@ def test_a_jf_run_resumes_to_the_same_weights_as_an_uninterrupted_one(dataset, t
     log = (tmp_path / "whole" / "log.csv").read_text().splitlines()
     first = dict(zip(log[0].split(","), log[1].split(","), strict=True))
     assert float(first["noisy_loss"]) > 0 and float(first["clean_loss"]) > 0  # consistency and AR parts
+    parts = float(first["noisy_loss"]) + 10.0 * float(first["clean_loss"]) + 2.0 * float(first["labelled_loss"])
+    assert float(first["labelled_loss"]) > 0 and float(first["loss"]) == pytest.approx(parts, rel=1e-5)
     with pytest.raises(ConfigError, match="collected at block size 8"):
         train(load_config("tiny-jf", out=str(tmp_path / "other"), **(settings | {"jacobi_block_size": 16})))
 
@@ -327,6 +330,12 @@ def test_a_jf_run_resumes_to_the_same_weights_as_an_uninterrupted_one(dataset, t
 def test_the_jf_recipe_needs_trajectories():
     with pytest.raises(ConfigError, match="trajectories: the jf recipe needs a trajectories folder"):
         load_config("tiny-ar", recipe="jf")
+
+
+def test_only_the_jf_recipe_takes_a_weight_for_labelled_answers():
+    assert load_config("tiny-jf", labelled_ar_weight=3.0).labelled_ar_weight == 3.0
+    with pytest.raises(ConfigError, match="labelled_ar_weight is a weight of the jf recipe"):
+        load_config("tiny-ar", labelled_ar_weight=1.0)
 
 
 def test_an_answer_parses_with_or_without_its_stop_token_and_not_when_broken():

@@ -438,7 +438,8 @@ def train_command(
             progress.start()
             progress.update(task, completed=step - 1)
         noisy, clean = ("consistency", "AR") if settings.recipe == "jf" else ("noisy", "clean")
-        note = f"loss {metrics['loss']:.3f} ({noisy} {metrics['noisy_loss']:.3f}, {clean} {metrics['clean_loss']:.3f})"
+        note = f"loss {metrics['loss']:.3f} ({noisy} {metrics['noisy_loss']:.3f}, {clean} {metrics['clean_loss']:.3f}"
+        note += f", labelled {metrics['labelled_loss']:.3f})" if "labelled_loss" in metrics else ")"
         if "val_ade5" in metrics:
             progress.console.print(
                 f"step {step}: val loss {metrics['val_loss']:.3f}, greedy-AR ADE@3s {metrics['val_ade3']:.2f} m, "

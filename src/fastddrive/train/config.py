@@ -78,6 +78,10 @@ class TrainConfig(BaseModel):
     jacobi_block_size: int = Field(default=16, ge=1)
     noise_window: int = Field(default=16, ge=1)
     ar_weight: float = Field(default=1.0, ge=0)
+    # Jacobi Forcing: weight of a causal LM loss on a batch of the data's own labelled answers (its train split),
+    # added at every step; 0 leaves it out. Eq. 9's AR loss reads only the teacher's answers, on which a small
+    # student drifts (its greedy answers stop parsing); the labels keep its clean predictions on the task.
+    labelled_ar_weight: float = Field(default=0.0, ge=0)
     # Leave out trajectories whose fixed point does not parse as a driving answer (tests of random
     # teachers, whose answers never parse, keep them).
     skip_unparsed: bool = True
@@ -106,6 +110,13 @@ class TrainConfig(BaseModel):
     def _jf_reads_trajectories(cls, value: str | None, info: ValidationInfo) -> str | None:
         if info.data.get("recipe") == "jf" and value is None:
             raise ValueError("the jf recipe needs a trajectories folder (collect one with `fastddrive trajectories`)")
+        return value
+
+    @field_validator("labelled_ar_weight")
+    @classmethod
+    def _labelled_only_for_jf(cls, value: float, info: ValidationInfo) -> float:
+        if value and info.data.get("recipe") != "jf":
+            raise ValueError("labelled_ar_weight is a weight of the jf recipe; the other recipes train on labels")
         return value
 
     @field_validator("block_size")

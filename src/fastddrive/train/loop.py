@@ -10,7 +10,7 @@ import csv
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,7 @@ LOG_COLUMNS = (
     "loss",
     "noisy_loss",
     "clean_loss",
+    "labelled_loss",
     "lr",
     "block_size",
     "steps_per_s",
@@ -128,6 +129,17 @@ def jf_loss(logits: torch.Tensor, batch: JacobiForcingBatch, config: TrainConfig
         batch.label_weights,
         config.ar_weight,
     )
+
+
+def labelled_ar_loss(
+    model: BlockDiffusionModel, collator: DualStreamCollator, samples: Sequence[DrivingSample], config: TrainConfig
+) -> torch.Tensor:
+    """The section-weighted causal LM loss of `samples`' labelled answers (the `ar` recipe's), which the `jf`
+    recipe adds with `labelled_ar_weight`."""
+    unused = np.random.default_rng(0)  # the AR recipe's batches draw no noise
+    batch = collator([collator.example(s) for s in samples], config.block_size, unused)
+    noisy, clean = model.dual_stream_logits(**batch.forward_inputs())
+    return batch_loss(noisy, clean, batch, config).clean
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:
@@ -261,6 +273,11 @@ def train(
             packed = jacobi(mine)
             with accelerator.autocast():
                 parts = jf_loss(model.packed_logits(**packed.forward_inputs()), packed, config)
+                if config.labelled_ar_weight:
+                    labelled = np.random.default_rng([config.seed, step, 2]).choice(len(rows), len(picks))
+                    samples = [from_row(rows[i]) for i in labelled[rank * config.batch_size :][: config.batch_size]]
+                    parts.labelled = labelled_ar_loss(model, collator, samples, config)
+                    parts.total = parts.total + config.labelled_ar_weight * parts.labelled
         else:
             block = annealed_block_size(step / config.steps, config.block_size, config.anneal_block_size)
             batch = collator(
@@ -284,6 +301,7 @@ def train(
             "loss": parts.total.item(),
             "noisy_loss": parts.noisy.item(),
             "clean_loss": parts.clean.item(),
+            **({"labelled_loss": parts.labelled.item()} if parts.labelled is not None else {}),
             "lr": scheduler.get_last_lr()[0],
             "block_size": block,
         }

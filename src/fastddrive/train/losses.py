@@ -17,6 +17,7 @@ class LossParts:
     noisy: torch.Tensor
     clean: torch.Tensor
     masked_tokens: int
+    labelled: torch.Tensor | None = None  # the jf recipe's loss on the data's labelled answers, when it has one
 
 
 def weighted_cross_entropy(
