@@ -41,8 +41,9 @@ from fastddrive.scaffold import Scaffold
 
 POOL_PER_KEY = 4  # continuations kept per key token (the most recent)
 # The block of Jacobi Forcing's second round (paper 003 section 4.1 trains at 16, then 32). On 16 validation
-# scenes of `default-jf` at K = 2 with 4 candidates, n = 16 / 32 / 64 committed 2.66 / 3.32 / 3.62 tokens per
-# forward and took 559 / 582 / 790 ms on the 2-core CPU (64 doubles the tokens each forward carries).
+# scenes of the first shipped `default-jf` at K = 2 with 4 candidates, n = 16 / 32 / 64 committed 2.66 / 3.32 /
+# 3.62 tokens per forward and took 559 / 582 / 790 ms on the 2-core CPU (64 doubles the tokens each forward
+# carries).
 DEFAULT_MR_BLOCK = 32
 
 
