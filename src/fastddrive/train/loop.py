@@ -131,15 +131,26 @@ def jf_loss(logits: torch.Tensor, batch: JacobiForcingBatch, config: TrainConfig
     )
 
 
-def labelled_ar_loss(
-    model: BlockDiffusionModel, collator: DualStreamCollator, samples: Sequence[DrivingSample], config: TrainConfig
-) -> torch.Tensor:
-    """The section-weighted causal LM loss of `samples`' labelled answers (the `ar` recipe's), which the `jf`
-    recipe adds with `labelled_ar_weight`."""
-    unused = np.random.default_rng(0)  # the AR recipe's batches draw no noise
-    batch = collator([collator.example(s) for s in samples], config.block_size, unused)
+def samples_loss(
+    model: BlockDiffusionModel,
+    collator: DualStreamCollator,
+    samples: Sequence[DrivingSample],
+    block: int,
+    rng: np.random.Generator,
+    config: TrainConfig,
+) -> LossParts:
+    """The collator's objective on `samples`' labelled answers: SASD's, or with the AR recipe's collator the
+    section-weighted causal LM loss (which the `jf` recipe adds with `labelled_ar_weight`)."""
+    batch = collator([collator.example(s) for s in samples], block, rng)
     noisy, clean = model.dual_stream_logits(**batch.forward_inputs())
-    return batch_loss(noisy, clean, batch, config).clean
+    return batch_loss(noisy, clean, batch, config)
+
+
+def rank_picks(key: list[int], pool: int, config: TrainConfig, world: int, rank: int) -> np.ndarray:
+    """This process's share of one step's batch, drawn for every process from `pool` items by a generator
+    seeded with `key`, so that a resumed or distributed run takes the same items."""
+    picks = np.random.default_rng(key).choice(pool, config.batch_size * world)
+    return picks[rank * config.batch_size : (rank + 1) * config.batch_size]
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:
@@ -160,10 +171,8 @@ def validate(
     """Validation loss on fixed samples and masks, and greedy-AR ADE on the first `ade_samples` of them."""
     model.model.eval()
     with torch.no_grad():
-        examples = [collator.example(s) for s in samples]
-        batch = collator(examples, config.block_size, np.random.default_rng([config.seed, 10**9]))
-        noisy, clean = model.dual_stream_logits(**batch.forward_inputs())
-        parts = batch_loss(noisy, clean, batch, config)
+        rng = np.random.default_rng([config.seed, 10**9])
+        parts = samples_loss(model, collator, samples, config.block_size, rng, config)
     accuracy = evaluate_greedy_ar(model, samples[:ade_samples])
     model.model.train()
     return {
@@ -265,29 +274,23 @@ def train(
     window_start, window_steps = time.perf_counter(), 0
     end = min(config.steps, stop_after) if stop_after is not None else config.steps
     for step in range(start, end):
-        pool = len(jacobi) if jacobi is not None else len(rows)
-        picks = np.random.default_rng([config.seed, step]).choice(pool, config.batch_size * world)
-        mine = picks[rank * config.batch_size : (rank + 1) * config.batch_size]
+        mine = rank_picks([config.seed, step], len(jacobi) if jacobi is not None else len(rows), config, world, rank)
         if jacobi is not None:
             block = config.jacobi_block_size
             packed = jacobi(mine)
             with accelerator.autocast():
                 parts = jf_loss(model.packed_logits(**packed.forward_inputs()), packed, config)
                 if config.labelled_ar_weight:
-                    labelled = np.random.default_rng([config.seed, step, 2]).choice(len(rows), len(picks))
-                    samples = [from_row(rows[i]) for i in labelled[rank * config.batch_size :][: config.batch_size]]
-                    parts.labelled = labelled_ar_loss(model, collator, samples, config)
+                    labelled = rank_picks([config.seed, step, 2], len(rows), config, world, rank)
+                    unused = np.random.default_rng(0)  # the AR recipe's batches draw no noise
+                    samples = [from_row(rows[i]) for i in labelled]
+                    parts.labelled = samples_loss(model, collator, samples, config.block_size, unused, config).clean
                     parts.total = parts.total + config.labelled_ar_weight * parts.labelled
         else:
             block = annealed_block_size(step / config.steps, config.block_size, config.anneal_block_size)
-            batch = collator(
-                [collator.example(from_row(rows[i])) for i in mine],
-                block,
-                np.random.default_rng([config.seed, step, rank, 1]),
-            )
+            rng = np.random.default_rng([config.seed, step, rank, 1])
             with accelerator.autocast():
-                noisy, clean = model.dual_stream_logits(**batch.forward_inputs())
-                parts = batch_loss(noisy, clean, batch, config)
+                parts = samples_loss(model, collator, [from_row(rows[i]) for i in mine], block, rng, config)
         accelerator.backward(parts.total)
         if config.grad_clip:
             accelerator.clip_grad_norm_(model.model.parameters(), config.grad_clip)
