@@ -40,7 +40,7 @@ from fastddrive.model import BlockDiffusionModel, PromptInputs
 from fastddrive.scaffold import Scaffold
 
 POOL_PER_KEY = 4  # continuations kept per key token (the most recent)
-# The block of Jacobi Forcing's second round (paper 003 section 4.1 trains at 16, then 32). On 16 validation
+# The block of Jacobi Forcing's later rounds (paper 003 section 4.1 trains at 16, then 32). On 16 validation
 # scenes of the first shipped `default-jf` at K = 2 with 4 candidates, n = 16 / 32 / 64 committed 2.66 / 3.32 /
 # 3.62 tokens per forward and took 559 / 582 / 790 ms on the 2-core CPU (64 doubles the tokens each forward
 # carries).
@@ -241,7 +241,7 @@ def jacobi_mr_decode(
 ) -> Decoded:
     """`jacobi-mr` (paper 003 Algorithm 1): up to `max_blocks` (K) blocks of `block_size` (n) in flight,
     spawn threshold ceil(`spawn_ratio` n), up to `candidates` recycled n-grams verified per forward (the
-    paper's K = 2, r = 0.85 and n-gram verification size 4; n = 32 is `tiny-jf`'s round-2 training block,
+    paper's K = 2, r = 0.85 and n-gram verification size 4; n = 32 is `tiny-jf`'s training block in rounds 2-3,
     see DEFAULT_MR_BLOCK). The ids of greedy `ar`."""
     check_block_size(block_size)
     if max_blocks < 1:
