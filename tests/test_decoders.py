@@ -13,7 +13,7 @@ from fastddrive.decode import DECODERS, LOSSLESS, DecoderError, decode, decoder_
 from fastddrive.decode.blocks import section_blocks
 from fastddrive.decode.quadratic import quadratic_layout
 from fastddrive.decode.speculative import Speculation, fused_layout, run, ss_nfe_floor
-from fastddrive.decode.state import Canvas, sampler
+from fastddrive.decode.state import Canvas, row_picker, sampler
 from fastddrive.masks import block_mask
 from fastddrive.model import BlockDiffusionModel
 from fastddrive.planner import Planner, load
@@ -220,9 +220,12 @@ def test_sd_drafts_only_value_positions_and_mdm_also_the_scaffold(embedded, scen
 def test_tts_with_one_greedy_rollout_equals_ss(embedded, scenes):
     for fuse in (False, True):
         ss = embedded.plan(scenes[3], "ss", fuse_draft=fuse)
-        one = embedded.plan(scenes[3], "tts", rollouts=1, temperature=0.0, fuse_draft=fuse)
+        one = embedded.plan(scenes[3], "tts", rollouts=1, temperature=0.0, fuse_draft=fuse, rollout_drafts=True)
         assert one.token_ids == ss.token_ids and one.nfe == ss.nfe
         assert one.response == ss.response
+    undrafted = embedded.plan(scenes[3], "tts", rollouts=1, temperature=0.0, rollout_drafts=False)
+    assert undrafted.token_ids == ss.token_ids
+    assert embedded.plan(scenes[3], "tts", rollouts=1, temperature=0.0).nfe == undrafted.nfe  # the CPU's default
 
 
 def _float64_default() -> Planner:
@@ -243,7 +246,10 @@ def _sequential_rollout(model: BlockDiffusionModel, prompt, scaffold, temperatur
     return alone.ids
 
 
-def test_tts_rollouts_decode_as_one_batch_equal_to_sequential_ones(scenes, monkeypatch):
+@pytest.mark.parametrize("drafts", [True, False])
+def test_tts_rollouts_decode_as_one_batch_equal_to_sequential_ones(scenes, monkeypatch, drafts):
+    """Batched rollouts, drafted (Scaffold Spec) or not (jump-forward AR), equal sequential Scaffold Spec
+    rollouts with the same seeds: the same exact AR samples, whichever forwards computed them."""
     planner = _float64_default()
     model, scaffold, scene = planner.model, planner.scaffold, scenes[3]
     prompt = planner.prompt(scene)
@@ -261,7 +267,7 @@ def test_tts_rollouts_decode_as_one_batch_equal_to_sequential_ones(scenes, monke
 
     monkeypatch.setattr(tts, "fork_rollouts", fork)
     monkeypatch.setattr(BlockDiffusionModel, "forward", forward)
-    result = planner.plan(scene, "tts", rollouts=4, temperature=0.8, seed=11)
+    result = planner.plan(scene, "tts", rollouts=4, temperature=0.8, seed=11, rollout_drafts=drafts)
     monkeypatch.undo()
     extra = result.extra
     sequential = [_sequential_rollout(model, prompt, scaffold, 0.8, 11 + r) for r in range(4)]
@@ -272,7 +278,9 @@ def test_tts_rollouts_decode_as_one_batch_equal_to_sequential_ones(scenes, monke
     assert len(seen) == extra["rollout_nfe"] and all(rows == 4 for rows, _ in seen)
     assert all(length >= prompt_length + forks[0] for _, length in seen)
     trajectory_values = int(scaffold.is_value[scaffold.section_spans["trajectory"][0] :].sum())
-    assert extra["rollout_nfe"] <= 2 * trajectory_values
+    assert extra["rollout_nfe"] <= (2 * trajectory_values if drafts else trajectory_values + 1)
+    if drafts:  # drafts were accepted: fewer forwards than one per value
+        assert extra["rollout_nfe"] < trajectory_values
     assert result.nfe == extra["prefix_nfe"] + extra["rollout_nfe"]
 
 
@@ -285,6 +293,20 @@ def test_tts_answer_is_the_shared_prefix_with_the_averaged_trajectory(embedded, 
     assert mean.shape == (20, 2)
     assert np.allclose(np.asarray(result.response.trajectory), mean[3::4], atol=0.005)
     assert embedded.scaffold.decode(result.token_ids) == result.response == parse(result.text)  # one answer
+
+
+def test_a_row_sampler_picks_what_each_row_sampler_would():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0)) * 3
+    seeds, temperature = [3, 4, 5, 6, 7], 0.7
+    rows = row_picker(temperature, seeds, 20)
+    for position in (0, 7, 19):
+        alone = [
+            int(sampler(temperature, s, 20)(logits[r : r + 1], torch.tensor([position]))[0])
+            for r, s in enumerate(seeds)
+        ]
+        assert rows(logits, position).tolist() == alone
+    assert len(set(rows(logits, 7).tolist())) > 1  # the rows differ, so the equality means something
+    assert row_picker(0.0, seeds, 20)(logits, 3).tolist() == logits.argmax(-1).tolist()
 
 
 def test_the_sampled_verifier_draws_exact_ar_samples(monkeypatch):

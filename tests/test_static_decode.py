@@ -26,6 +26,13 @@ def _pair(device="cpu", graphs=False):
     return eager, static
 
 
+def test_the_cpu_runs_eagerly_whatever_cuda_graphs_says():
+    """Fixed shapes only pay with graphs: on the CPU (`fastddrive bench` passes cuda_graphs=True by default)
+    the planner keeps the eager path."""
+    assert load("default", cuda_graphs=True).model.static is None
+    assert load("default").model.static is None
+
+
 def test_every_decoder_gives_the_same_ids_at_fixed_shapes(scene):
     eager, static = _pair()
     for name in DECODERS:

@@ -43,22 +43,23 @@ def attention_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Queries (rows, heads, n, d) and keys (rows, kv_heads, n, d) after RoPE, and values, of the hidden
     states (rows * n, H). `qkv` is (H, [q k v]) with the norm weight folded in, RoPE q cos +
-    rotate_half(q) sin; on the CPU `qkv` is (H, [q k v rot-q rot-k]) and the one product gives
-    rotate_half(q) and rotate_half(k) too. Keys and values come contiguous, as the cache stores them
-    (a strided source would cost the write a copy)."""
-    tokens = hidden.shape[0]
+    rotate_half(q) sin with cos and sin (rows, n, 1, d), or (n, 1, d) when the rows share positions; on
+    the CPU `qkv` is (H, [q k v rot-q rot-k]) and the one product gives rotate_half(q) and rotate_half(k)
+    too. Keys and values come contiguous, as the cache stores them (a strided source would cost the
+    write a copy)."""
+    n = hidden.shape[0] // rows
     projected = torch.addmm(qkv_bias, rms_norm(hidden, eps), qkv)
     dim = cos.shape[-1]
     width = (heads + kv_heads) * dim
-    qk = projected[:, :width].view(tokens, heads + kv_heads, dim)
+    qk = projected[:, :width].view(rows, n, heads + kv_heads, dim)
     if projected.shape[1] > width + kv_heads * dim:
-        rotated = projected[:, width + kv_heads * dim :].view(tokens, heads + kv_heads, dim)
+        rotated = projected[:, width + kv_heads * dim :].view(rows, n, heads + kv_heads, dim)
     else:
         rotated = rotate_half(qk)
     qk = torch.addcmul(qk * cos, rotated, sin)
-    q = qk[:, :heads].view(rows, tokens // rows, heads, dim).transpose(1, 2)
-    k, v = qk[:, heads:], projected[:, width : width + kv_heads * dim]
-    k, v = (x.reshape(rows, tokens // rows, kv_heads, dim).transpose(1, 2).contiguous() for x in (k, v))
+    q = qk[:, :, :heads].transpose(1, 2)
+    k = qk[:, :, heads:].transpose(1, 2).contiguous()
+    v = projected[:, width : width + kv_heads * dim].view(rows, n, kv_heads, dim).transpose(1, 2).contiguous()
     return q, k, v
 
 

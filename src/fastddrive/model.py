@@ -289,20 +289,32 @@ class BlockDiffusionModel:
         mask: Any,
         is_causal: bool,
     ) -> torch.Tensor:
-        """The decoder layers over the new tokens' hidden states (rows * n, H); `store(layer, keys, values)`
-        writes their keys and values into the cache and returns what to attend over; the halves around
-        attention are `layer_halves` (compiled on a GPU)."""
+        """The decoder layers over the new tokens' hidden states (rows * n, H) at rotary angles `rope` (cos
+        and sin, (rows * n, 1, d), or (n, 1, d) shared by the rows); `store(layer, keys, values)` writes
+        their keys and values into the cache and returns what to attend over; the halves around attention
+        are `layer_halves` (compiled on a GPU)."""
         weights = self.decode_weights
         attention_inputs, attention_output_and_mlp = layer_halves(hidden.device)
         cos, sin = rope
         tokens = hidden.shape[0]
+        n = tokens // rows
         heads, kv_heads, dim, eps = weights.heads, weights.kv_heads, weights.head_dim, weights.eps
+        if rows > 1 and cos.shape[0] == tokens:  # a position per token: (rows, n, 1, d)
+            cos, sin = cos.view(rows, n, 1, dim), sin.view(rows, n, 1, dim)
+        # Where every query sees every key (no mask, not causal), the queries sharing a key head are one
+        # (rows, kv_heads, group * n, d) attention: no GQA expansion in the kernel (half its time on the CPU).
+        group = heads // kv_heads if mask is None and not is_causal else 1
         for i, layer in enumerate(weights.layers):
             q, k, v = attention_inputs(hidden, layer.qkv, layer.qkv_bias, cos, sin, rows, heads, kv_heads, eps)
             keys, values = store(i, k, v)
-            attended = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, is_causal=is_causal, scale=weights.scaling, enable_gqa=True
-            )
+            if group > 1:
+                attended = F.scaled_dot_product_attention(
+                    q.reshape(rows, kv_heads, group * n, dim), keys, values, scale=weights.scaling
+                ).view(rows, heads, n, dim)
+            else:
+                attended = F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=mask, is_causal=is_causal, scale=weights.scaling, enable_gqa=True
+                )
             hidden = attention_output_and_mlp(
                 hidden,
                 attended.transpose(1, 2).reshape(tokens, heads * dim),
@@ -382,7 +394,7 @@ class BlockDiffusionModel:
         if self.static is not None and cache.capacity != capacity:
             self.static.forget(cache.rows)  # captured graphs read the old cache tensors
         lengths = cache.lengths
-        if offsets is None and cache.rows == 1:
+        if offsets is None and lengths.count(lengths[0]) == cache.rows:  # rows at the same positions: one slice
             first = lengths[0] + cache.rope_delta
             rope = self._rope(first, first + n, None)
         else:

@@ -136,10 +136,11 @@ def load(
     """'default' (the embedded block-diffusion model), 'default-ar' (its AR baseline) or a local folder.
 
     Weights are bfloat16 on a GPU and float32 on the CPU unless `dtype` says otherwise. On a GPU, decode
-    forwards are replayed as CUDA graphs (`static_decode`) unless `cuda_graphs` is False."""
+    forwards are replayed as CUDA graphs (`static_decode`) unless `cuda_graphs` is False; elsewhere they
+    run eagerly whatever it says (the fixed shapes that graphs need only cost time without them)."""
     on_gpu = check_device(device).type == "cuda"
     model = load_model(model_path(str(name)), device=device, dtype=dtype or (torch.bfloat16 if on_gpu else None))
-    if cuda_graphs if cuda_graphs is not None else model.device.type == "cuda":
+    if model.device.type == "cuda" and cuda_graphs is not False:
         model.use_static_shapes(graphs=True)
     return Planner(model)
 

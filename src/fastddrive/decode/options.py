@@ -5,7 +5,8 @@ the text the command line gives (`--option tau=0.5`, `sd:tau=0.0:block_size=16`)
 
 - a number: a decimal literal (`0.5`, `1`, `1e-3`); not `abc`, `nan` or `inf`; never a bool;
 - an integer: an integer literal (`16`, `-1`); not `8.5` or `abc`; never a bool or a float;
-- a bool: `true/false`, `yes/no` or `1/0` (any case) as text, True or False as a value; not `maybe`;
+- a bool: `true/false`, `yes/no` or `1/0` (any case) as text, True or False as a value; not `maybe`
+  (where the decoder can decide by itself, also `auto` or None);
 - token ids: a JSON list of integers >= 0 (`[1, 2, 3]`), `null` for none;
 - a path: non-empty text (the decoder reads the file, and names it when it is missing or damaged).
 
@@ -87,6 +88,12 @@ def _boolean(value: Any) -> bool:
     raise ValueError("not a boolean")
 
 
+def _optional_boolean(value: Any) -> bool | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("auto", "null", "none")):
+        return None
+    return _boolean(value)
+
+
 def _token_ids(value: Any) -> list[int] | None:
     if isinstance(value, str):
         text = value.strip()
@@ -118,6 +125,7 @@ def _vocabulary_path(value: Any) -> str | None:
 Number = Annotated[float, BeforeValidator(_number)]
 Integer = Annotated[int, BeforeValidator(_integer)]
 Boolean = Annotated[bool, BeforeValidator(_boolean)]
+OptionalBoolean = Annotated[bool | None, BeforeValidator(_optional_boolean)]  # None: the decoder decides
 Unit = Annotated[Number, Field(ge=0.0, le=1.0)]  # a confidence threshold
 Temperature = Annotated[Number, Field(ge=0.0)]  # 0 is greedy
 BlockSize = Annotated[Integer, Field(ge=1)]
@@ -183,6 +191,7 @@ class RolloutOptions(DecoderOptions):
     block_size: BlockSize = DEFAULT_BLOCK_SIZE
     seed: Seed = 0
     fuse_draft: Boolean = True
+    rollout_drafts: OptionalBoolean = None
 
 
 class JacobiOptions(DecoderOptions):
@@ -276,6 +285,7 @@ def expected(field: FieldInfo) -> str:
         float: "a number",
         int: "an integer",
         bool: "a boolean (true/false, yes/no, 1/0)",
+        bool | None: "a boolean (true/false, yes/no, 1/0), or auto",
         list[int] | None: "a JSON list of token ids >= 0, or null",
         str | None: f"the path of a planning vocabulary file, or of a folder holding {VOCABULARY_FILE}",
     }[field.annotation]

@@ -12,7 +12,7 @@ per forward (`Canvas.targets`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -22,11 +22,20 @@ from fastddrive.model import BlockDiffusionModel, PromptInputs
 from fastddrive.scaffold import Scaffold
 
 TokenPicker = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # logits (m, V), positions (m,) -> tokens (m,)
+RowPicker = Callable[[torch.Tensor, int], torch.Tensor]  # logits (rows, V) at one position -> tokens (rows,)
 
 
 def greedy(logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The argmax token of every logits row."""
     return logits.argmax(-1)
+
+
+def inverse_cdf(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Tokens (m,) sampled from softmax(logits / temperature) (m, V) by inverse CDF with one uniform per row."""
+    cdf = torch.softmax(logits.double() / temperature, dim=-1).cumsum(-1)
+    u = uniforms * cdf[:, -1]  # the total is 1 up to rounding
+    tokens = torch.searchsorted(cdf, u[:, None]).squeeze(-1)
+    return tokens.clamp(max=logits.shape[-1] - 1)
 
 
 class Sampler:
@@ -47,10 +56,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.uniforms.device != logits.device:
             self.uniforms = self.uniforms.to(logits.device)
-        cdf = torch.softmax(logits.double() / self.temperature, dim=-1).cumsum(-1)
-        u = self.uniforms[positions.to(logits.device)] * cdf[:, -1]  # the total is 1 up to rounding
-        tokens = torch.searchsorted(cdf, u[:, None]).squeeze(-1)
-        return tokens.clamp(max=logits.shape[-1] - 1)
+        return inverse_cdf(logits, self.uniforms[positions.to(logits.device)], self.temperature)
 
 
 def sampler(temperature: float, seed: int, length: int) -> TokenPicker:
@@ -58,6 +64,28 @@ def sampler(temperature: float, seed: int, length: int) -> TokenPicker:
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     return greedy if temperature == 0 else Sampler(temperature, seed, length)
+
+
+class RowSampler:
+    """The `Sampler`s of several seeds for rows that stand at the same position (the rollouts of
+    test-time scaling): row r gets the token Sampler(temperature, seeds[r], length) would pick, and all
+    rows take one set of device ops."""
+
+    def __init__(self, temperature: float, seeds: Sequence[int], length: int) -> None:
+        self.temperature = temperature
+        self.uniforms = torch.stack([Sampler(temperature, seed, length).uniforms for seed in seeds])
+
+    def __call__(self, logits: torch.Tensor, position: int) -> torch.Tensor:
+        if self.uniforms.device != logits.device:
+            self.uniforms = self.uniforms.to(logits.device)
+        return inverse_cdf(logits, self.uniforms[:, position], self.temperature)
+
+
+def row_picker(temperature: float, seeds: Sequence[int], length: int) -> RowPicker:
+    """Greedy at temperature 0, else a `RowSampler`: one picker for rows at the same position."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    return (lambda logits, position: logits.argmax(-1)) if temperature == 0 else RowSampler(temperature, seeds, length)
 
 
 @dataclass

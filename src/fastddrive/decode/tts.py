@@ -2,9 +2,18 @@
 
 `ss` runs greedy through critical_objects, explanation and future_meta_behavior once. The cache is then
 forked into N rows of one batched cache, and the N rollouts decode the trajectory section together,
-one forward per step for all of them, each with its own sampled verifier (the draft stays greedy).
-Each rollout's 5 waypoints are JMT-upsampled to 20 points at 4 Hz and the rollouts averaged; the
-answer is the shared prefix with the averaged trajectory written into the scaffold.
+one forward per step for all of them, each with its own sampled verifier. Each rollout's 5 waypoints
+are JMT-upsampled to 20 points at 4 Hz and the rollouts averaged; the answer is the shared prefix with
+the averaged trajectory written into the scaffold.
+
+How a rollout gets its samples is a matter of cost only. The sampler draws one uniform per position from
+the rollout's seed (`state.Sampler`), so the token at a position is the same exact AR sample whichever
+forward computed its logits: continuing Scaffold Spec (the paper's way: a greedy MDM draft that the
+sampled verifier accepts up to its first disagreement) and jump-forward AR sampling (`ar.scaffold_ar`:
+one forward per value for all rollouts, the scaffold runs fed with it) give the same ids. Drafting pays where a forward
+costs about the same whatever it carries (a GPU); where its cost grows with the tokens it carries (a
+CPU), the drafts and fused next-block drafts of N rows, mostly rejected at a sampling temperature, cost
+more than the forwards they save, so rollouts draft by default only on a GPU.
 """
 
 from __future__ import annotations
@@ -14,11 +23,12 @@ import time
 import numpy as np
 import torch
 
+from fastddrive.decode.ar import scaffold_ar
 from fastddrive.decode.blocks import section_blocks
 from fastddrive.decode.meter import ForwardMeter, synchronize
 from fastddrive.decode.result import Decoded
 from fastddrive.decode.speculative import Speculation, run, run_rows
-from fastddrive.decode.state import Canvas, sampler
+from fastddrive.decode.state import Canvas, row_picker, sampler
 from fastddrive.eval.jmt import jmt_upsample
 from fastddrive.model import BlockDiffusionModel, PromptInputs
 from fastddrive.scaffold import DEFAULT_BLOCK_SIZE, Scaffold
@@ -58,10 +68,12 @@ def trajectory_rollouts_decode(
     block_size: int = DEFAULT_BLOCK_SIZE,
     seed: int = 0,
     fuse_draft: bool = True,
+    rollout_drafts: bool | None = None,
 ) -> Decoded:
     """`tts`: the ids are the shared prefix and the averaged trajectory. `extra` holds every rollout's ids,
     the averaged 20-point trajectory (metres, 4 Hz) and the cost of the shared prefix and of the batched
-    rollouts (forwards, ms). Rollout r samples with seed + r."""
+    rollouts (forwards, ms). Rollout r samples with seed + r; it continues Scaffold Spec if
+    `rollout_drafts` (default: when the model is on a GPU), else samples AR with jump-forward (module doc)."""
     if rollouts < 1:
         raise ValueError(f"rollouts must be >= 1, got {rollouts}")
     blocks = section_blocks(scaffold, block_size)
@@ -76,16 +88,19 @@ def trajectory_rollouts_decode(
 
     began, batched = time.perf_counter(), ForwardMeter()
     forks = fork_rollouts(model, canvas, rollouts)
+    if rollout_drafts is None:
+        rollout_drafts = model.device.type == "cuda"
+    seeds = [seed + r for r in range(rollouts)]
     with batched.watch(model):
-        # Each rollout starts from the greedy draft of the first trajectory block, if the last shared verify
-        # made one, and samples with its own seed.
-        speculations = [
-            Speculation(
-                fork, blocks, True, sampler(temperature, seed + r, len(scaffold)), None, fuse_draft, shared.drafted
-            )
-            for r, fork in enumerate(forks)
-        ]
-        run_rows(model, forks[0].cache, speculations)
+        if rollout_drafts:  # each starts from the first trajectory block's draft, if the last shared verify made one
+            picks = [sampler(temperature, s, len(scaffold)) for s in seeds]
+            speculations = [
+                Speculation(fork, blocks, True, pick, None, fuse_draft, shared.drafted)
+                for pick, fork in zip(picks, forks, strict=True)
+            ]
+            run_rows(model, forks[0].cache, speculations)
+        else:
+            scaffold_ar(model, forks, row_picker(temperature, seeds, len(scaffold)), jump=True)
     synchronize(model.device)
     rollouts_ms = 1000 * (time.perf_counter() - began)
 
