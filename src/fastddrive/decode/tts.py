@@ -10,10 +10,10 @@ How a rollout gets its samples is a matter of cost only. The sampler draws one u
 the rollout's seed (`state.Sampler`), so the token at a position is the same exact AR sample whichever
 forward computed its logits: continuing Scaffold Spec (the paper's way: a greedy MDM draft that the
 sampled verifier accepts up to its first disagreement) and jump-forward AR sampling (`ar.scaffold_ar`:
-one forward per value for all rollouts, the scaffold runs fed with it) give the same ids. Drafting pays where a forward
-costs about the same whatever it carries (a GPU); where its cost grows with the tokens it carries (a
-CPU), the drafts and fused next-block drafts of N rows, mostly rejected at a sampling temperature, cost
-more than the forwards they save, so rollouts draft by default only on a GPU.
+one forward per value for all rollouts, the scaffold runs fed with it) give the same ids. Drafting pays
+where a forward costs about the same whatever it carries (a GPU); where its cost grows with the tokens
+it carries (a CPU), the drafts and fused next-block drafts of N rows, mostly rejected at a sampling
+temperature, cost more than the forwards they save, so rollouts draft by default only on a GPU.
 """
 
 from __future__ import annotations
