@@ -35,8 +35,10 @@ def scaffold_ar(model: BlockDiffusionModel, canvases: Sequence[Canvas], pick: Ro
     while True:
         if logits is not None:  # logits (rows, V) predict position `committed`
             position = lead.committed
-            template = int(lead.scaffold.template_ids[position])
-            tokens = [template] * len(canvases) if lead.is_scaffold(position) else pick(logits, position).tolist()
+            if lead.is_scaffold(position):
+                tokens = [int(lead.scaffold.template_ids[position])] * len(canvases)
+            else:
+                tokens = pick(logits, position).tolist()
             end = position + 1
             while jump and end < len(lead) and lead.is_scaffold(end):
                 end += 1  # the template is already in place

@@ -87,7 +87,8 @@ class Speculation:
     accepting a draft only where it equals the sample keeps every token an exact AR sample). With
     `fuse`, a verify also drafts the next block (`fused_layout`); when its block is accepted whole,
     that draft is used and the next block's own draft forward is saved (the accepted tokens, and so the
-    ids, are the same either way).
+    ids, are the same either way). The last verify before `until` drafts the block after it only if
+    `draft_past_until` (for whoever continues the canvas by drafting: `tts`'s rollouts).
     """
 
     def __init__(
@@ -100,6 +101,7 @@ class Speculation:
         fuse: bool = False,
         drafted: tuple[int, list[int], bool] | None = None,
         drafts: list[int] | None = None,
+        draft_past_until: bool = True,
     ) -> None:
         self.canvas = canvas
         self.drafts = drafts  # ids to draft instead of the MDM head (the verifier still decides)
@@ -108,6 +110,7 @@ class Speculation:
         self.pick = pick
         self.until = len(canvas) if until is None else until
         self.fuse = fuse
+        self.fuse_limit = len(canvas) if draft_past_until else self.until  # no verify drafts from here on
         self.stats = DraftStats()
         self.drafted = drafted  # (first position, draft, made by a verify) waiting for its round
         self._round: tuple[str, int, int, list[int], list[int] | None] | None = None
@@ -140,7 +143,7 @@ class Speculation:
         canvas, mask_id = self.canvas, self.canvas.scaffold.mask_id
         fed = canvas.head() + proposal
         tail = None
-        if self.fuse and end < len(canvas):  # past `until` too: whoever continues the canvas can use it
+        if self.fuse and end < self.fuse_limit:
             tail = [proposal[-1]] + canvas.blank(end, self.block_of(end)[1], self.scaffold_aware)
             tail = tail if mask_id in tail[2:] else None
         self._round = ("verify", canvas.committed, end, proposal, tail)

@@ -67,13 +67,12 @@ def sampler(temperature: float, seed: int, length: int) -> TokenPicker:
 
 
 class RowSampler:
-    """The `Sampler`s of several seeds for rows that stand at the same position (the rollouts of
-    test-time scaling): row r gets the token Sampler(temperature, seeds[r], length) would pick, and all
-    rows take one set of device ops."""
+    """`Sampler`s of one temperature for rows that stand at the same position (the rollouts of test-time
+    scaling): row r gets the token samplers[r] would pick, and all rows take one set of device ops."""
 
-    def __init__(self, temperature: float, seeds: Sequence[int], length: int) -> None:
-        self.temperature = temperature
-        self.uniforms = torch.stack([Sampler(temperature, seed, length).uniforms for seed in seeds])
+    def __init__(self, samplers: Sequence[Sampler]) -> None:
+        self.temperature = samplers[0].temperature
+        self.uniforms = torch.stack([s.uniforms for s in samplers])
 
     def __call__(self, logits: torch.Tensor, position: int) -> torch.Tensor:
         if self.uniforms.device != logits.device:
@@ -82,10 +81,9 @@ class RowSampler:
 
 
 def row_picker(temperature: float, seeds: Sequence[int], length: int) -> RowPicker:
-    """Greedy at temperature 0, else a `RowSampler`: one picker for rows at the same position."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    return (lambda logits, position: logits.argmax(-1)) if temperature == 0 else RowSampler(temperature, seeds, length)
+    """The rows' `sampler`s as one picker for rows at the same position: the argmax at temperature 0."""
+    picks = [sampler(temperature, seed, length) for seed in seeds]
+    return (lambda logits, position: logits.argmax(-1)) if picks[0] is greedy else RowSampler(picks)
 
 
 @dataclass

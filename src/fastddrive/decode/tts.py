@@ -76,20 +76,22 @@ def trajectory_rollouts_decode(
     `rollout_drafts` (default: when the model is on a GPU), else samples AR with jump-forward (module doc)."""
     if rollouts < 1:
         raise ValueError(f"rollouts must be >= 1, got {rollouts}")
+    if rollout_drafts is None:
+        rollout_drafts = model.device.type == "cuda"
     blocks = section_blocks(scaffold, block_size)
     trajectory_start = scaffold.section_spans["trajectory"][0]
     began, prefix = time.perf_counter(), ForwardMeter()
     with prefix.watch(model):
         canvas = Canvas.prefill(model, prompt, scaffold)
-        shared = Speculation(canvas, blocks, scaffold_aware=True, until=trajectory_start, fuse=fuse_draft)
+        shared = Speculation(
+            canvas, blocks, True, until=trajectory_start, fuse=fuse_draft, draft_past_until=rollout_drafts
+        )
         run(model, shared)
     synchronize(model.device)
     prefix_ms = 1000 * (time.perf_counter() - began)
 
     began, batched = time.perf_counter(), ForwardMeter()
     forks = fork_rollouts(model, canvas, rollouts)
-    if rollout_drafts is None:
-        rollout_drafts = model.device.type == "cuda"
     seeds = [seed + r for r in range(rollouts)]
     with batched.watch(model):
         if rollout_drafts:  # each starts from the first trajectory block's draft, if the last shared verify made one
