@@ -156,15 +156,19 @@ def test_masks_are_sliced_from_one_buffer_per_pattern():
     assert masks.mask([0], 7, CAUSAL) == (None, True)  # prefill: the kernel's causal attention
     assert masks.mask([50], 7, FULL) == (None, False)
     mask, causal = masks.mask([50], 4, CAUSAL)
-    assert not causal and mask.shape == (4, 54)
-    assert mask[:, :50].all() and torch.equal(mask[:, 50:], block_mask(4, 4))
+    assert not causal and mask.shape == (4, 54) and mask.dtype == torch.float32  # additive: 0 where allowed
+    allowed = mask == 0
+    assert allowed[:, :50].all() and torch.equal(allowed[:, 50:], block_mask(4, 4))
+    assert (mask[~allowed] == torch.finfo(torch.float32).min).all()
     again, _ = masks.mask([80], 4, CAUSAL)
     assert again.untyped_storage().data_ptr() == mask.untyped_storage().data_ptr()  # the same buffer
-    assert again.shape == (4, 84) and again[:, :80].all() and torch.equal(again[:, 80:], block_mask(4, 4))
+    allowed = again == 0
+    assert again.shape == (4, 84) and allowed[:, :80].all() and torch.equal(allowed[:, 80:], block_mask(4, 4))
     rows, _ = masks.mask([3, 5], 2, FULL)
     assert rows.shape == (2, 1, 2, 7)
-    assert rows[0, 0, :, :5].all() and not rows[0, 0, :, 5:].any()
-    assert rows[1, 0].all()
+    assert (rows[0, 0, :, :5] == 0).all() and not (rows[0, 0, :, 5:] == 0).any()
+    assert (rows[1, 0] == 0).all()
+    assert DecodeMasks("cpu", torch.float64).mask([50], 4, CAUSAL)[0].dtype == torch.float64
 
 
 def test_cache_refuses_what_it_cannot_do():

@@ -77,15 +77,17 @@ def dual_stream_mask(
 
 
 class DecodeMasks:
-    """Boolean SDPA masks for decode forwards, sliced from one buffer per pattern and device.
+    """Additive SDPA masks (0 where allowed, the dtype's minimum elsewhere) for decode forwards, sliced from
+    one buffer per pattern. Additive, because SDPA turns a boolean mask into one on every call.
 
-    The buffer of an (n, n) pattern is [ones (n, P) | pattern | zeros (n, P)]; the mask of a row whose
+    The buffer of an (n, n) pattern allows [ones (n, P) | pattern | zeros (n, P)]; the mask of a row whose
     cache holds L positions, over keys [0, K), is its columns [P - L, P - L + K): the prefix all visible,
     the new tokens by the pattern, anything past them hidden.
     """
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
         self.device = device
+        self.dtype = dtype
         self.prefix = 0
         self._buffers: dict[tuple[int, bytes], torch.Tensor] = {}
 
@@ -98,7 +100,8 @@ class DecodeMasks:
         if key not in self._buffers:
             ones = torch.ones(n, self.prefix, dtype=torch.bool)
             zeros = torch.zeros(n, self.prefix, dtype=torch.bool)
-            self._buffers[key] = torch.cat([ones, pattern, zeros], dim=1).to(self.device)
+            allowed = torch.cat([ones, pattern, zeros], dim=1)
+            self._buffers[key] = additive_mask(allowed[None], self.dtype)[0, 0].to(self.device)
         return self._buffers[key]
 
     def mask(
@@ -131,7 +134,8 @@ class DecodeMasks:
         if patterns.shape[1:] != (n, n) or len(patterns) not in (1, len(lengths)):
             raise ValueError(f"need one ({n}, {n}) pattern, or one per row for {len(lengths)} rows")
         patterns = patterns.expand(len(lengths), n, n)
-        return rows_mask(torch.tensor(lengths), patterns, max(lengths) + n).to(self.device)
+        allowed = rows_mask(torch.tensor(lengths), patterns, max(lengths) + n)
+        return additive_mask(allowed[:, 0], self.dtype).to(self.device)
 
 
 def rows_mask(lengths: torch.Tensor, patterns: torch.Tensor, keys: int) -> torch.Tensor:

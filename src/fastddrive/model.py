@@ -386,8 +386,8 @@ class BlockDiffusionModel:
         if self.static is not None and self.static.fits(cache, n):
             return self._static_forward(cache, ids.cpu(), pattern, offsets, keep)
         ids = self.on_device(ids)
-        if self._masks is None:
-            self._masks = DecodeMasks(self.device)
+        if self._masks is None or self._masks.dtype != self.dtype:
+            self._masks = DecodeMasks(self.device, self.dtype)
         mask, is_causal = self._masks.mask(cache.lengths, n, pattern)
         capacity = cache.capacity
         cache.reserve(n)

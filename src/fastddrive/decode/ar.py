@@ -10,56 +10,33 @@ prefill) and returns the same ids. The separately trained AR baseline writes the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from fastddrive.decode.result import Decoded
-from fastddrive.decode.state import Canvas, RowPicker, TokenPicker, greedy, row_picker, sampler
-from fastddrive.masks import CAUSAL
+from fastddrive.decode.state import Canvas, TokenPicker, greedy, sampler
 from fastddrive.model import BlockDiffusionModel, PromptInputs
 from fastddrive.scaffold import Scaffold
 
 
 @torch.no_grad()
-def scaffold_ar(model: BlockDiffusionModel, canvases: Sequence[Canvas], pick: RowPicker, jump: bool = False) -> None:
-    """AR over the scaffold, to the end, on canvases that own one row each of one cache and stand at the same
-    position (the one canvas of `ar`, the forked rollouts of `tts`): one forward per step for all rows.
-
-    Scaffold positions take the template token, values `pick` the AR head's. Without `jump` every position
-    costs a forward; with it, a forward is spent only where the next position is a value (it feeds every
-    committed token since the last forward). The rows commit the same positions at every step, since the
-    scaffold decides where the values are."""
-    lead, cache = canvases[0], canvases[0].cache
-    logits = torch.stack([c.next_logits for c in canvases]) if lead.cached == lead.committed else None
-    while True:
-        if logits is not None:  # logits (rows, V) predict position `committed`
-            position = lead.committed
-            if lead.is_scaffold(position):
-                tokens = [int(lead.scaffold.template_ids[position])] * len(canvases)
-            else:
-                tokens = pick(logits, position).tolist()
-            end = position + 1
-            while jump and end < len(lead) and lead.is_scaffold(end):
-                end += 1  # the template is already in place
-            for canvas, token in zip(canvases, tokens, strict=True):
-                canvas.ids[position] = token
-                canvas.committed = end
-                canvas.next_logits = None
-                canvas.accepted_per_step.append(end - position)
-        if lead.committed == len(lead):
-            return
-        logits = model.forward(cache, [c.head() for c in canvases], CAUSAL)[:, -1]
-        for canvas in canvases:
-            canvas.cached = canvas.committed
-
-
 def ar_scaffold_decode(
-    model: BlockDiffusionModel, prompt: PromptInputs, scaffold: Scaffold, pick: RowPicker, jump: bool = False
+    model: BlockDiffusionModel, prompt: PromptInputs, scaffold: Scaffold, pick: TokenPicker = greedy, jump: bool = False
 ) -> Canvas:
-    """`scaffold_ar` on one canvas, after the prefill."""
+    """AR over the scaffold: scaffold positions take the template token, values `pick` the AR head's.
+
+    Without `jump` every position costs a forward; with it, a forward is spent only where the next
+    position is a value (the forward feeds every committed token since the last one)."""
     canvas = Canvas.prefill(model, prompt, scaffold)
-    scaffold_ar(model, [canvas], pick, jump)
+    while canvas.committed < len(canvas):
+        canvas.commit_seed(pick)
+        steps = 1
+        while jump and canvas.committed < len(canvas) and canvas.is_scaffold(canvas.committed):
+            canvas.committed += 1  # the template is already in place
+            steps += 1
+        canvas.accepted_per_step.append(steps)
+        if canvas.committed < len(canvas):
+            canvas.next_logits = model.verify(canvas.cache, canvas.head())[-1]
+            canvas.cached = canvas.committed
     return canvas
 
 
@@ -93,7 +70,7 @@ def ar_decode(
         limit = len(scaffold) + 16
         ids = ar_free_decode(model, prompt, end, max_new_tokens=limit, pick=sampler(temperature, seed, limit))
         return Decoded(ids, [1] * len(ids))
-    canvas = ar_scaffold_decode(model, prompt, scaffold, row_picker(temperature, [seed], len(scaffold)))
+    canvas = ar_scaffold_decode(model, prompt, scaffold, sampler(temperature, seed, len(scaffold)))
     return Decoded(canvas.ids, canvas.accepted_per_step)
 
 
@@ -106,5 +83,5 @@ def ar_jump_decode(
     seed: int = 0,
 ) -> Decoded:
     """`ar-jump`: exact AR that feeds each scaffold run in one forward; the ids (and samples) of `ar`."""
-    canvas = ar_scaffold_decode(model, prompt, scaffold, row_picker(temperature, [seed], len(scaffold)), jump=True)
+    canvas = ar_scaffold_decode(model, prompt, scaffold, sampler(temperature, seed, len(scaffold)), jump=True)
     return Decoded(canvas.ids, canvas.accepted_per_step)

@@ -5,8 +5,7 @@ the text the command line gives (`--option tau=0.5`, `sd:tau=0.0:block_size=16`)
 
 - a number: a decimal literal (`0.5`, `1`, `1e-3`); not `abc`, `nan` or `inf`; never a bool;
 - an integer: an integer literal (`16`, `-1`); not `8.5` or `abc`; never a bool or a float;
-- a bool: `true/false`, `yes/no` or `1/0` (any case) as text, True or False as a value; not `maybe`
-  (where the decoder can decide by itself, also `auto` or None);
+- a bool: `true/false`, `yes/no` or `1/0` (any case) as text, True or False as a value; not `maybe`;
 - token ids: a JSON list of integers >= 0 (`[1, 2, 3]`), `null` for none;
 - a path: non-empty text (the decoder reads the file, and names it when it is missing or damaged).
 
@@ -30,6 +29,7 @@ from pydantic.fields import FieldInfo
 
 from fastddrive.decode.jacobi import DEFAULT_JACOBI_BLOCK
 from fastddrive.decode.jacobi_mr import DEFAULT_MR_BLOCK
+from fastddrive.decode.lockstep import DEFAULT_WINDOW
 from fastddrive.decode.mdm import DEFAULT_TAU
 from fastddrive.decode.planning_vocabulary import VOCABULARY_FILE
 from fastddrive.decode.pvf import DEFAULT_FUSE_WRITE, DEFAULT_PLAN_BAND, DEFAULT_REVEAL, DEFAULT_TAU_AR, DEFAULT_WIDTH
@@ -88,12 +88,6 @@ def _boolean(value: Any) -> bool:
     raise ValueError("not a boolean")
 
 
-def _optional_boolean(value: Any) -> bool | None:
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("auto", "null", "none")):
-        return None
-    return _boolean(value)
-
-
 def _token_ids(value: Any) -> list[int] | None:
     if isinstance(value, str):
         text = value.strip()
@@ -125,7 +119,6 @@ def _vocabulary_path(value: Any) -> str | None:
 Number = Annotated[float, BeforeValidator(_number)]
 Integer = Annotated[int, BeforeValidator(_integer)]
 Boolean = Annotated[bool, BeforeValidator(_boolean)]
-OptionalBoolean = Annotated[bool | None, BeforeValidator(_optional_boolean)]  # None: the decoder decides
 Unit = Annotated[Number, Field(ge=0.0, le=1.0)]  # a confidence threshold
 Temperature = Annotated[Number, Field(ge=0.0)]  # 0 is greedy
 BlockSize = Annotated[Integer, Field(ge=1)]
@@ -191,7 +184,8 @@ class RolloutOptions(DecoderOptions):
     block_size: BlockSize = DEFAULT_BLOCK_SIZE
     seed: Seed = 0
     fuse_draft: Boolean = True
-    rollout_drafts: OptionalBoolean = None
+    rollout_drafts: Boolean = False
+    rollout_window: Annotated[Integer, Field(ge=1)] = DEFAULT_WINDOW
 
 
 class JacobiOptions(DecoderOptions):
@@ -285,7 +279,6 @@ def expected(field: FieldInfo) -> str:
         float: "a number",
         int: "an integer",
         bool: "a boolean (true/false, yes/no, 1/0)",
-        bool | None: "a boolean (true/false, yes/no, 1/0), or auto",
         list[int] | None: "a JSON list of token ids >= 0, or null",
         str | None: f"the path of a planning vocabulary file, or of a folder holding {VOCABULARY_FILE}",
     }[field.annotation]

@@ -22,7 +22,8 @@ from fastddrive.model import BlockDiffusionModel, PromptInputs
 from fastddrive.scaffold import Scaffold
 
 TokenPicker = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # logits (m, V), positions (m,) -> tokens (m,)
-RowPicker = Callable[[torch.Tensor, int], torch.Tensor]  # logits (rows, V) at one position -> tokens (rows,)
+# logits (rows, m, V) of rows at the same positions first, first + 1, ... -> tokens (rows, m)
+RowPicker = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def greedy(logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -67,23 +68,25 @@ def sampler(temperature: float, seed: int, length: int) -> TokenPicker:
 
 
 class RowSampler:
-    """`Sampler`s of one temperature for rows that stand at the same position (the rollouts of test-time
-    scaling): row r gets the token samplers[r] would pick, and all rows take one set of device ops."""
+    """`Sampler`s of one temperature for rows that stand at the same positions (the rollouts of test-time
+    scaling): row r gets the tokens samplers[r] would pick, and all rows take one set of device ops."""
 
     def __init__(self, samplers: Sequence[Sampler]) -> None:
         self.temperature = samplers[0].temperature
         self.uniforms = torch.stack([s.uniforms for s in samplers])
 
-    def __call__(self, logits: torch.Tensor, position: int) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, first: int) -> torch.Tensor:
         if self.uniforms.device != logits.device:
             self.uniforms = self.uniforms.to(logits.device)
-        return inverse_cdf(logits, self.uniforms[:, position], self.temperature)
+        rows, m, _ = logits.shape
+        uniforms = self.uniforms[:, first : first + m].reshape(-1)
+        return inverse_cdf(logits.reshape(rows * m, -1), uniforms, self.temperature).view(rows, m)
 
 
 def row_picker(temperature: float, seeds: Sequence[int], length: int) -> RowPicker:
-    """The rows' `sampler`s as one picker for rows at the same position: the argmax at temperature 0."""
+    """The rows' `sampler`s as one picker for rows at the same positions: the argmax at temperature 0."""
     picks = [sampler(temperature, seed, length) for seed in seeds]
-    return (lambda logits, position: logits.argmax(-1)) if picks[0] is greedy else RowSampler(picks)
+    return (lambda logits, first: logits.argmax(-1)) if picks[0] is greedy else RowSampler(picks)
 
 
 @dataclass

@@ -6,14 +6,14 @@ one forward per step for all of them, each with its own sampled verifier. Each r
 are JMT-upsampled to 20 points at 4 Hz and the rollouts averaged; the answer is the shared prefix with
 the averaged trajectory written into the scaffold.
 
-How a rollout gets its samples is a matter of cost only. The sampler draws one uniform per position from
-the rollout's seed (`state.Sampler`), so the token at a position is the same exact AR sample whichever
-forward computed its logits: continuing Scaffold Spec (the paper's way: a greedy MDM draft that the
-sampled verifier accepts up to its first disagreement) and jump-forward AR sampling (`ar.scaffold_ar`:
-one forward per value for all rollouts, the scaffold runs fed with it) give the same ids. Drafting pays
-where a forward costs about the same whatever it carries (a GPU); where its cost grows with the tokens
-it carries (a CPU), the drafts and fused next-block drafts of N rows, mostly rejected at a sampling
-temperature, cost more than the forwards they save, so rollouts draft by default only on a GPU.
+How the rollouts get their samples is a matter of cost only. The sampler draws one uniform per position
+from the rollout's seed (`state.Sampler`), so the token at a position is the same exact AR sample
+whichever forward computed its logits. By default the rollouts verify guessed windows in lockstep
+(`lockstep.lockstep_rollouts`): the rows stay at one length, and most trajectory digits are accepted
+from a Jacobi update, so the four rollouts take far fewer forwards than one per value. With
+`rollout_drafts` each rollout continues Scaffold Spec on its own, as the paper describes: a greedy MDM
+draft that the sampled verifier accepts up to its first disagreement, the rows at their own lengths.
+Both give the same ids.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import time
 import numpy as np
 import torch
 
-from fastddrive.decode.ar import scaffold_ar
 from fastddrive.decode.blocks import section_blocks
+from fastddrive.decode.lockstep import DEFAULT_WINDOW, lockstep_rollouts
 from fastddrive.decode.meter import ForwardMeter, synchronize
 from fastddrive.decode.result import Decoded
 from fastddrive.decode.speculative import Speculation, run, run_rows
@@ -68,16 +68,16 @@ def trajectory_rollouts_decode(
     block_size: int = DEFAULT_BLOCK_SIZE,
     seed: int = 0,
     fuse_draft: bool = True,
-    rollout_drafts: bool | None = None,
+    rollout_drafts: bool = False,
+    rollout_window: int = DEFAULT_WINDOW,
 ) -> Decoded:
     """`tts`: the ids are the shared prefix and the averaged trajectory. `extra` holds every rollout's ids,
     the averaged 20-point trajectory (metres, 4 Hz) and the cost of the shared prefix and of the batched
-    rollouts (forwards, ms). Rollout r samples with seed + r; it continues Scaffold Spec if
-    `rollout_drafts` (default: when the model is on a GPU), else samples AR with jump-forward (module doc)."""
+    rollouts (forwards, ms). Rollout r samples with seed + r; the rollouts verify windows of
+    `rollout_window` guessed positions in lockstep, or each continues Scaffold Spec if `rollout_drafts`
+    (module doc)."""
     if rollouts < 1:
         raise ValueError(f"rollouts must be >= 1, got {rollouts}")
-    if rollout_drafts is None:
-        rollout_drafts = model.device.type == "cuda"
     blocks = section_blocks(scaffold, block_size)
     trajectory_start = scaffold.section_spans["trajectory"][0]
     began, prefix = time.perf_counter(), ForwardMeter()
@@ -102,7 +102,7 @@ def trajectory_rollouts_decode(
             ]
             run_rows(model, forks[0].cache, speculations)
         else:
-            scaffold_ar(model, forks, row_picker(temperature, seeds, len(scaffold)), jump=True)
+            lockstep_rollouts(model, forks, row_picker(temperature, seeds, len(scaffold)), rollout_window)
     synchronize(model.device)
     rollouts_ms = 1000 * (time.perf_counter() - began)
 
