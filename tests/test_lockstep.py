@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from fastddrive.decode import decode, tts
-from fastddrive.decode.lockstep import agreement, lockstep_rollouts
+from fastddrive.decode.jacobi import agreement
+from fastddrive.decode.lockstep import lockstep_rollouts
 from fastddrive.decode.meter import ForwardMeter
 from fastddrive.decode.state import Canvas, row_picker
 from model_fixtures import peaky_case

@@ -253,10 +253,12 @@ class BlockDiffusionModel:
     # ----------------------------------------------------------------- the decode forward
     def _refresh_weights(self) -> DecodeWeights:
         """The decode forward's view of the weights, rebuilt (at each prefill) when a parameter was changed
-        or replaced since it was made, as training does between validations."""
+        or replaced since it was made, as training does between validations; the decode masks are made
+        again with it, in the weights' dtype and on their device."""
         version = tuple((p.data_ptr(), p._version) for p in self.text_model.parameters())
         if self.decode_weights is None or self.decode_weights.version != version:
             self.decode_weights = DecodeWeights.of(self.text_model, self.core.lm_head, version)
+            self._masks = DecodeMasks(self.device, self.dtype)
         return self.decode_weights
 
     def rope_table(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -386,8 +388,6 @@ class BlockDiffusionModel:
         if self.static is not None and self.static.fits(cache, n):
             return self._static_forward(cache, ids.cpu(), pattern, offsets, keep)
         ids = self.on_device(ids)
-        if self._masks is None or self._masks.dtype != self.dtype:
-            self._masks = DecodeMasks(self.device, self.dtype)
         mask, is_causal = self._masks.mask(cache.lengths, n, pattern)
         capacity = cache.capacity
         cache.reserve(n)

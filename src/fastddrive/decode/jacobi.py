@@ -98,11 +98,16 @@ class Verified:
     after: torch.Tensor | None  # when the whole draft agrees: the logits of the position after it
 
 
+def agreement(tokens: list[int], guesses: list[int]) -> int:
+    """How many leading `guesses` equal the verifier's `tokens` at the same positions."""
+    return next((i for i, (t, g) in enumerate(zip(tokens, guesses, strict=False)) if t != g), len(guesses))
+
+
 def verify_rows(answer: Answer, first: int, draft: list[int], rows: torch.Tensor) -> Verified:
     """Greedy verification of `draft` from causal logits `rows` (len(draft) + 1, V): row i predicts
     position first + i, the last row the position after the draft. One transfer to the host."""
     targets = answer.fixed(first, rows[:-1].argmax(-1).tolist())
-    agreed = next((i for i, (d, t) in enumerate(zip(draft, targets, strict=True)) if d != t), len(draft))
+    agreed = agreement(targets, draft)
     return Verified(targets, agreed, rows[-1] if agreed == len(draft) else None)
 
 

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from fastddrive.decode.jacobi import agreement
 from fastddrive.decode.state import Canvas, RowPicker
 from fastddrive.masks import CAUSAL
 from fastddrive.model import BlockDiffusionModel
@@ -34,17 +35,10 @@ from fastddrive.model import BlockDiffusionModel
 DEFAULT_WINDOW = 24  # on the embedded model's trajectories 16 and 32 took longer on a 2-core CPU (README)
 
 
-def agreement(tokens: list[int], guesses: list[int]) -> int:
-    """How many leading `guesses` equal the verifier's `tokens` at the same positions."""
-    return next((i for i, (t, g) in enumerate(zip(tokens, guesses, strict=False)) if t != g), len(guesses))
-
-
 def commit_rows(canvases: Sequence[Canvas], first: int, tokens: list[list[int]], count: int, cached: int) -> None:
     """Every row commits its tokens for positions [first, first + count) and its cache keeps response
     positions [0, cached) (the lengths are equal: one crop for all rows)."""
-    lead = canvases[0]
-    if lead.cache.lengths[0] > lead.prompt_length + cached:
-        lead.cache.crop(lead.prompt_length + cached)
+    canvases[0].cache.crop(canvases[0].prompt_length + cached)
     for canvas, row in zip(canvases, tokens, strict=True):
         canvas.ids[first : first + count] = row[:count]
         canvas.committed, canvas.cached, canvas.next_logits = first + count, cached, None
