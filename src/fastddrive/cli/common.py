@@ -1,0 +1,86 @@
+"""What every command shares: the typer apps, the console, one-line errors for bad input, the progress bar."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+app = typer.Typer(help="Fast block-diffusion driving planners.", no_args_is_help=True, add_completion=False)
+data_app = typer.Typer(help="Build and inspect driving datasets.", no_args_is_help=True)
+tokenizer_app = typer.Typer(help="Train and inspect tokenizers and their response scaffold.", no_args_is_help=True)
+pvf_app = typer.Typer(help="Plan-Verify-Fill's offline calibration (paper 001 Appendix A.2).", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+app.add_typer(tokenizer_app, name="tokenizer")
+app.add_typer(pvf_app, name="pvf")
+# Piped or logged output gets room for the wide tables instead of rich's 80-column default.
+console = Console(width=None if sys.stdout.isatty() else 160)
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Known bad input becomes one clear line on stderr and exit status 2, not a traceback."""
+    from fastddrive.data.build import OutputExists
+    from fastddrive.data.highway import UnknownScenario
+    from fastddrive.data.sample import DatasetError, SampleError
+    from fastddrive.decode.planning_vocabulary import PlanningVocabularyError
+    from fastddrive.decode.registry import DecoderError
+    from fastddrive.drive import DriveError
+    from fastddrive.eval.roofline import RooflineError
+    from fastddrive.model_files import DeviceError, ModelFileError
+    from fastddrive.random_init import UnknownPreset
+    from fastddrive.schema import ResponseError
+    from fastddrive.serve.loadtest import LoadTestError
+    from fastddrive.tokenizer import MissingDiffusionTokens
+    from fastddrive.train.checkpoint import CheckpointError
+    from fastddrive.train.config import ConfigError
+
+    known = (
+        OutputExists,
+        UnknownScenario,
+        DatasetError,
+        SampleError,
+        ResponseError,
+        MissingDiffusionTokens,
+        ConfigError,
+        CheckpointError,
+        DecoderError,
+        PlanningVocabularyError,
+        RooflineError,
+        UnknownPreset,
+        ModelFileError,
+        DeviceError,
+        DriveError,
+        LoadTestError,
+    )
+    try:
+        yield
+    except (*known, FileNotFoundError, IndexError) as err:
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
+def progress_bar(disable: bool = False) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[note]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+        disable=disable,
+    )

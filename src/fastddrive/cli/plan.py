@@ -1,0 +1,81 @@
+"""`fastddrive plan`: one scene planned by one decoder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from fastddrive.cli.common import app, console, user_errors
+
+
+@app.command("plan")
+def plan_command(
+    model: Annotated[
+        str, typer.Option(help="'default', 'default-ar', 'default-jf' or a local model folder.")
+    ] = "default",
+    data: Annotated[Path | None, typer.Option(help="Dataset folder to take the scene from.")] = None,
+    split: Annotated[str, typer.Option(help="train, val or test (with --data).")] = "test",
+    index: Annotated[int, typer.Option(help="Sample index in the split (with --data).")] = 0,
+    image: Annotated[list[Path] | None, typer.Option(help="Camera image (PNG); repeat for several.")] = None,
+    history: Annotated[
+        str | None, typer.Option(help="Ego history: JSON text or a .json file, 7 rows of \\[x, y, vx, vy, ax, ay].")
+    ] = None,
+    command: Annotated[str | None, typer.Option(help="go_straight, go_left or go_right.")] = None,
+    decoder: Annotated[str, typer.Option(help="A registered decoder (ar, fullseq, mdm, sd, selfspec, ...).")] = "ss",
+    option: Annotated[list[str] | None, typer.Option(help="Decoder option KEY=VALUE (tau=0.5); repeatable.")] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:1, ...")] = "cpu",
+    dtype: Annotated[
+        str | None, typer.Option(help="float32, bfloat16 or float16 (default: bfloat16 on a GPU).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the summary.")] = False,
+) -> None:
+    """Plan one scene: from a dataset (--data/--split/--index) or from --image/--history/--command."""
+    import fastddrive
+    from fastddrive.data.sample import DrivingDataset, SampleError
+    from fastddrive.decode.registry import parse_options
+    from fastddrive.inputs import read_history, read_image
+    from fastddrive.outputs import finite_json
+
+    with user_errors():
+        options = parse_options(option or [], decoder)
+        if data is not None:
+            if image or history or command:
+                raise SampleError("give either --data or --image/--history/--command, not both")
+            scene = DrivingDataset.open(data).sample(split, index)
+        else:
+            if history is None or command is None:
+                raise SampleError("without --data, --history and --command are required (and --image for a VLM)")
+            scene = fastddrive.PlanInputs.checked(
+                images=[read_image(p) for p in image or []], history=read_history(history), command=command
+            )
+        from fastddrive.eval.roofline import parse_dtype
+
+        planner = fastddrive.load(model, device=device, dtype=parse_dtype(dtype) if dtype else None)
+        if planner.model.is_vision and isinstance(scene, fastddrive.PlanInputs) and not scene.images:
+            raise SampleError("this model reads images: give --image")
+        result = planner.plan(scene, decoder, **options)
+    if as_json:
+        print(finite_json(result.to_json()))
+        if result.response is None:  # the JSON says why (its "error"); the status says it failed
+            raise typer.Exit(1)
+        return
+    table = Table(title=f"{decoder} on {model}")
+    for column in ("NFE", "tokens", "tokens/NFE", "prefill ms", "decode ms", "tokens/s"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        str(result.nfe),
+        str(result.tokens),
+        f"{result.tokens_per_nfe:.2f}",
+        f"{result.prefill_ms:.1f}",
+        f"{result.decode_ms:.1f}",
+        f"{result.tokens_per_s:.0f}",
+    )
+    console.print(table)
+    console.print(result.text, highlight=False, soft_wrap=True)
+    if result.response is None:
+        Console(stderr=True).print(f"[bold red]the answer does not parse:[/] {result.error}", highlight=False)
+        raise typer.Exit(1)

@@ -1,0 +1,112 @@
+"""`fastddrive serve` and `fastddrive serve-bench`: the HTTP service and its load test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from fastddrive.cli.common import app, console, user_errors
+
+
+@app.command("serve")
+def serve_command(
+    model: Annotated[
+        str, typer.Option(help="'default', 'default-ar', 'default-jf' or a local model folder.")
+    ] = "default",
+    decoder: Annotated[str, typer.Option(help="The decoder of requests that name none.")] = "ss",
+    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:1, ...")] = "cpu",
+    dtype: Annotated[
+        str | None, typer.Option(help="float32, bfloat16 or float16 (default: bfloat16 on a GPU).")
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on.")] = 8000,
+    max_queue: Annotated[int, typer.Option(min=1, help="Requests that may wait; more are answered 503.")] = 32,
+    timeout_s: Annotated[float, typer.Option(min=0.001, help="A request unanswered after this is a 504.")] = 10.0,
+    data: Annotated[Path | None, typer.Option(help="A dataset folder whose scenes the page offers.")] = None,
+    model_process: Annotated[
+        bool, typer.Option(help="Run the model in a process of its own (default: on a thread of the server).")
+    ] = False,
+) -> None:
+    """Serve the planner over HTTP: POST /v1/plan, the page at /, /docs, /healthz, /readyz, /metrics.
+
+    One worker owns the model (on a thread, or in a process of its own with --model-process); SIGTERM stops
+    accepting, finishes the requests in flight and exits 0."""
+    from functools import partial
+
+    import fastddrive
+    from fastddrive.decode.registry import get_decoder
+    from fastddrive.eval.roofline import parse_dtype
+    from fastddrive.model_files import check_device, model_path
+    from fastddrive.serve.app import create_app, run
+
+    with user_errors():
+        get_decoder(decoder)
+        model_path(model)
+        check_device(device)
+        weights = parse_dtype(dtype) if dtype else None
+        service = create_app(
+            partial(fastddrive.load, model, device=device, dtype=weights),
+            decoder,
+            max_queue,
+            timeout_s,
+            data,
+            isolated=model_process,
+        )
+    run(service, host, port, grace_s=timeout_s + 5)
+
+
+@app.command("serve-bench")
+def serve_bench_command(
+    model: Annotated[str, typer.Option(help="'default' or a local model folder.")] = "default",
+    decoders: Annotated[str, typer.Option(help="Comma-separated decoders.")] = "ss,ar",
+    clients: Annotated[str, typer.Option(help="Comma-separated numbers of concurrent clients.")] = "1,4,16",
+    requests: Annotated[int, typer.Option(min=2, help="Requests per decoder and number of clients.")] = 64,
+    scenes: Annotated[int, typer.Option(min=1, help="Fresh simulator scenes the requests cycle through.")] = 8,
+    seed: Annotated[int, typer.Option(help="Seed of the fresh scenes.")] = 7,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the rows as JSON.")] = None,
+) -> None:
+    """The service under load (`fastddrive serve` on loopback) against `planner.plan` called directly:
+    throughput, p50/p99 latency, and the overhead per request (medians): the service's own (JSON, validation,
+    image decoding, hand-over to the model worker) and as a client sees it (its HTTP stack and loopback too)."""
+    import fastddrive
+    from fastddrive.decode.registry import get_decoder, split_decoders
+    from fastddrive.eval.bench import bench_scenes
+    from fastddrive.outputs import check_outputs, write_json
+    from fastddrive.serve.loadtest import client_counts, serve_bench
+
+    with user_errors():
+        check_outputs(json_out)
+        names = split_decoders(decoders)
+        for name in names:
+            get_decoder(name)
+        counts = client_counts(clients, requests)
+        chosen = bench_scenes(None, "test", seed, max(scenes, 2))
+        planner = fastddrive.load(model)
+    rows = serve_bench(model, planner, chosen, names, counts, requests)
+    table = Table(title=f"{model}: {requests} requests over {len(chosen)} scenes per row (CPU)")
+    columns = ("decoder", "target", "clients", "answered", "503", "other", "plans/s", "p50 ms", "p99 ms")
+    for column in (*columns, "overhead ms", "client-seen ms", "first-burst overhead ms"):
+        table.add_column(column, justify="left" if column in ("decoder", "target") else "right")
+    for row in sorted(rows, key=lambda r: (r.decoder, r.target == "service", r.clients)):
+        overheads = (
+            "" if ms is None else f"{ms:.2f}" for ms in (row.overhead_ms, row.client_overhead_ms, row.burst_overhead_ms)
+        )
+        table.add_row(
+            row.decoder,
+            row.target,
+            str(row.clients),
+            str(row.answered),
+            str(row.refused),
+            str(row.failed),
+            f"{row.throughput:.2f}",
+            f"{row.p50_ms:.1f}",
+            f"{row.p99_ms:.1f}",
+            *overheads,
+        )
+    console.print(table)
+    if json_out is not None:
+        write_json(json_out, {"model": model, "rows": [r.to_json() for r in rows]})
+        console.print(f"wrote {json_out}")
