@@ -159,9 +159,9 @@ def test_plan_json_exits_1_when_the_answer_does_not_parse(monkeypatch, tmp_path)
 
 
 def test_the_demo_folder_may_be_new_but_not_inside_a_file(tmp_path):
-    from fastddrive.outputs import check_demo_folder as _check_demo_folder
+    from fastddrive.outputs import OutputError, check_demo_folder
 
-    _check_demo_folder(tmp_path / "runs" / "demo")  # a fresh checkout has no runs/ yet: made when written
+    check_demo_folder(tmp_path / "runs" / "demo")  # a fresh checkout has no runs/ yet: made when written
     (tmp_path / "file").write_text("x")
-    with pytest.raises(DatasetError, match="is a file"):
-        _check_demo_folder(tmp_path / "file" / "demo")
+    with pytest.raises(OutputError, match="is a file"):
+        check_demo_folder(tmp_path / "file" / "demo")

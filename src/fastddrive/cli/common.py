@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -29,6 +31,25 @@ app.add_typer(pvf_app, name="pvf")
 console = Console(width=None if sys.stdout.isatty() else 160)
 
 
+@app.callback()
+def settings(
+    memory_budget: Annotated[
+        str | None,
+        typer.Option(
+            help="What a command may plan to allocate: a share of the memory (0.5, the default) or an amount "
+            "(8GiB); also FASTDDRIVE_MEMORY_BUDGET.",
+        ),
+    ] = None,
+) -> None:
+    """Fast block-diffusion driving planners."""
+    from fastddrive.memory import BUDGET_ENV, machine_memory_bytes, parse_budget
+
+    if memory_budget is not None:
+        with user_errors():
+            parse_budget(memory_budget, machine_memory_bytes())
+        os.environ[BUDGET_ENV] = memory_budget
+
+
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Known bad input becomes one clear line on stderr and exit status 2, not a traceback."""
@@ -39,7 +60,9 @@ def user_errors() -> Iterator[None]:
     from fastddrive.decode.registry import DecoderError
     from fastddrive.drive import DriveError
     from fastddrive.eval.roofline import RooflineError
+    from fastddrive.memory import MemoryBudgetError
     from fastddrive.model_files import DeviceError, ModelFileError
+    from fastddrive.outputs import OutputError
     from fastddrive.random_init import UnknownPreset
     from fastddrive.schema import ResponseError
     from fastddrive.serve.loadtest import LoadTestError
@@ -64,6 +87,8 @@ def user_errors() -> Iterator[None]:
         DeviceError,
         DriveError,
         LoadTestError,
+        OutputError,
+        MemoryBudgetError,
     )
     try:
         yield

@@ -81,10 +81,11 @@ def data_verify(
 ) -> None:
     """Every shard of a data set against its manifest: ok, missing, damaged or unrecorded (exit 1 if any)."""
     from fastddrive.data.verify import verify_dataset
-    from fastddrive.outputs import check_outputs, write_json
+    from fastddrive.outputs import check_file_destination, write_json
 
     with user_errors():
-        check_outputs(json_out)
+        if json_out is not None:
+            check_file_destination(json_out, "--json", suffixes=(".json",), inputs=(path,))
         report = verify_dataset(path, checksums=not quick)
     for line in report.lines():
         console.print(line, markup=False, highlight=False)
@@ -211,12 +212,13 @@ def data_show(
     """Print one sample's target JSON; optionally draw it."""
     from fastddrive.data.sample import DrivingDataset
     from fastddrive.eval.plots import draw_scene
-    from fastddrive.outputs import check_outputs
+    from fastddrive.outputs import check_file_destination
     from fastddrive.prompt import user_text
     from fastddrive.schema import render
 
     with user_errors():
-        check_outputs(png)
+        if png is not None:
+            check_file_destination(png, "--png", suffixes=(".png",), inputs=(path,))
         sample = DrivingDataset.open(path).sample(split, index)
     console.print(f"[bold]{sample.sample_id}[/]  scenario={sample.scenario}  t={sample.time_s:.2f} s", highlight=False)
     console.print(user_text(sample.command, sample.history), highlight=False)
@@ -238,12 +240,13 @@ def data_stats(
     """Counts per scenario, meta-behaviour distribution, explanation truncations, the scaffold table."""
     from fastddrive.data.sample import DrivingDataset
     from fastddrive.data.stats import dataset_stats
-    from fastddrive.outputs import check_outputs, write_json
+    from fastddrive.outputs import check_file_destination, write_json
     from fastddrive.scaffold import DEFAULT_EXPLANATION_BUDGET, Scaffold
     from fastddrive.tokenizer import default_tokenizer_path, load_tokenizer
 
     with user_errors():
-        check_outputs(json_out)
+        if json_out is not None:
+            check_file_destination(json_out, "--json", suffixes=(".json",), inputs=(path, tokenizer))
         dataset = DrivingDataset.open(path)
         scaffold = Scaffold(
             load_tokenizer(tokenizer or default_tokenizer_path()),

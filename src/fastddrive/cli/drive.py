@@ -44,10 +44,11 @@ def drive_command(
     """Closed-loop driving in highway-env, each decoder's latency charged to the simulation clock."""
     from fastddrive.drive.run import check_settings, run_drive, title
     from fastddrive.drive.summary import rows_table, scenario_table
-    from fastddrive.outputs import check_outputs, write_json
+    from fastddrive.outputs import check_file_destination, write_json
 
     with user_errors():
-        check_outputs(json_out)
+        if json_out is not None:
+            check_file_destination(json_out, "--json", suffixes=(".json",), owned=(out,))
         settings = check_settings(
             model=model,
             decoders=decoders,

@@ -33,10 +33,11 @@ def eval_command(
     from fastddrive.eval.accuracy import evaluate_split
     from fastddrive.eval.parallel import device_of_process, is_main_process
     from fastddrive.eval.report import accuracy_json, accuracy_table, scenario_table
-    from fastddrive.outputs import check_outputs, write_json
+    from fastddrive.outputs import check_file_destination, write_json
 
     with user_errors():
-        check_outputs(json_out)
+        if json_out is not None:
+            check_file_destination(json_out, "--json", suffixes=(".json",), inputs=(data,))
         specs = split_decoders(decoders)
         parsed = dict(zip(specs, (parse_decoder_spec(spec) for spec in specs), strict=True))
         dataset = DrivingDataset.open(data)
@@ -123,11 +124,14 @@ def bench_command(
     from fastddrive.eval.bench import DecoderRun, bench_scenes
     from fastddrive.eval.parallel import device_of_process, is_main_process
     from fastddrive.eval.plots import draw_frontier
-    from fastddrive.outputs import check_outputs, write_json
+    from fastddrive.outputs import check_file_destination, write_json
 
     device = device_of_process(device)
     with user_errors():
-        check_outputs(json_out, png)
+        if json_out is not None:
+            check_file_destination(json_out, "--json", suffixes=(".json",), inputs=(data,))
+        if png is not None:
+            check_file_destination(png, "--png", suffixes=(".png",), inputs=(data,))
         specs = list(DECODERS) if decoders == "all" else split_decoders(decoders)
         parsed = [parse_decoder_spec(spec) for spec in specs]
         from fastddrive.eval.roofline import parse_dtype
@@ -217,10 +221,13 @@ def roofline_command(
     from fastddrive.eval.plots import draw_roofline
     from fastddrive.eval.report import roofline_summary, roofline_table
     from fastddrive.eval.roofline import DEFAULT_TOKENS, measure_roofline, parse_tokens, roofline_model
-    from fastddrive.outputs import check_outputs, write_json
+    from fastddrive.outputs import check_file_destination, write_json
 
     with user_errors():
-        check_outputs(json_out, png)
+        if json_out is not None:
+            check_file_destination(json_out, "--json", suffixes=(".json",))
+        if png is not None:
+            check_file_destination(png, "--png", suffixes=(".png",))
         counts = parse_tokens(tokens) if tokens else list(DEFAULT_TOKENS)
         loaded, name = roofline_model(model, random_init, device, dtype, cuda_graphs)
     with progress_bar() as progress:

@@ -74,11 +74,12 @@ def serve_bench_command(
     import fastddrive
     from fastddrive.decode.registry import get_decoder, split_decoders
     from fastddrive.eval.bench import bench_scenes
-    from fastddrive.outputs import check_outputs, write_json
+    from fastddrive.outputs import check_file_destination, write_json
     from fastddrive.serve.loadtest import client_counts, serve_bench
 
     with user_errors():
-        check_outputs(json_out)
+        if json_out is not None:
+            check_file_destination(json_out, "--json", suffixes=(".json",))
         names = split_decoders(decoders)
         for name in names:
             get_decoder(name)

@@ -32,9 +32,9 @@ from fastddrive.data.sample import (
     ShardCheck,
     check_shard,
     shard_record,
-    write_atomically,
     write_shard,
 )
+from fastddrive.outputs import write_bytes
 
 # Over every 10 rounds of scenarios: 8 to train, 1 to val, 1 to test; test comes early so that
 # small datasets have one.
@@ -215,7 +215,7 @@ def write_manifest(
         **counts,
         SHARDS: {shard: records[shard] for shard in sorted(records)},
     }
-    write_atomically(out / MANIFEST, json.dumps(manifest, indent=2).encode())
+    write_bytes(out / MANIFEST, json.dumps(manifest, indent=2).encode())
 
 
 def run_episode(root: str, job: EpisodeJob) -> EpisodeResult:

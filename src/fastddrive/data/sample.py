@@ -17,7 +17,6 @@ import hashlib
 import io
 import json
 import numbers
-import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ import pyarrow.parquet as pq
 import pyspng
 from PIL import Image
 
+from fastddrive.outputs import write_bytes
 from fastddrive.schema import DrivingResponse, parse, render
 
 HISTORY_STEPS = 7  # t = -3.0, -2.5, ..., 0.0 s
@@ -279,24 +279,13 @@ def shard_record(data: bytes, samples: int) -> dict[str, Any]:
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "samples": samples}
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that a partial file never has the final name (flushed to disk first)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(tmp, path)
-
-
 def write_shard(path: Path, samples: list[DrivingSample]) -> dict[str, Any]:
     """Write samples as one parquet shard, atomically; returns its record for the manifest (shard_record)."""
     table = pa.Table.from_pylist([to_row(s) for s in samples], schema=_SCHEMA)
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
     data = sink.getvalue().to_pybytes()
-    write_atomically(path, data)
+    write_bytes(path, data)
     return shard_record(data, table.num_rows)
 
 

@@ -84,10 +84,10 @@ from fastddrive.data.sample import (
     DrivingDataset,
     DrivingSample,
     encode_png,
-    write_atomically,
     write_shard,
 )
 from fastddrive.data.wod_tfrecord import CorruptRecord, WodFrame, encode_frame, read_frames, write_records
+from fastddrive.outputs import write_bytes
 from fastddrive.schema import CRITICAL_OBJECT_CLASSES, WAYPOINT_INTERVAL_S, DrivingResponse, MetaBehavior, parse, render
 
 SOURCE = "wod-e2e"
@@ -601,7 +601,7 @@ def export_wod_e2e(
                 on_item()
         if records:
             path = out / f"{RELEASE_SPLITS[name]}.json"
-            write_atomically(path, json.dumps(records, ensure_ascii=False).encode("utf-8"))
+            write_bytes(path, json.dumps(records, ensure_ascii=False).encode("utf-8"))
             write_records(out / f"{RELEASE_SPLITS[name]}{TFRECORD_SHARD}", frames)
             counts[RELEASE_SPLITS[name]] = len(records)
     return ExportReport(counts, time.perf_counter() - start)

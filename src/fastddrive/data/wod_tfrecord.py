@@ -33,7 +33,7 @@ import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 
-from fastddrive.data.sample import write_atomically
+from fastddrive.outputs import write_bytes
 
 _HEADER = struct.Struct("<QI")  # length, masked crc of the length
 _CRC = struct.Struct("<I")
@@ -85,7 +85,7 @@ def write_records(path: str | Path, records: Iterable[bytes]) -> int:
     for data in records:
         length = struct.pack("<Q", len(data))
         framed.append(length + _CRC.pack(masked_crc(length)) + data + _CRC.pack(masked_crc(data)))
-    write_atomically(Path(path), b"".join(framed))
+    write_bytes(Path(path), b"".join(framed))
     return len(framed)
 
 

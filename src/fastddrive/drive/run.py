@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from fastddrive.data.build import SEED_STRIDE
 from fastddrive.data.highway import FRAME_SIZE_PX, SCENARIOS, check_scenarios
-from fastddrive.data.sample import HISTORY_COLUMNS, HISTORY_STEPS, write_atomically
+from fastddrive.data.sample import HISTORY_COLUMNS, HISTORY_STEPS
 from fastddrive.decode.registry import parse_decoder_spec, split_decoders
 from fastddrive.drive import DriveError
 from fastddrive.drive.closed_loop import HANDOVER_S, RECORD_S, EpisodeTrace, drive_episode
@@ -42,6 +42,7 @@ from fastddrive.drive.policies import (
 )
 from fastddrive.drive.summary import draw_summary, summarise
 from fastddrive.drive.video import write_gif
+from fastddrive.outputs import write_bytes
 from fastddrive.planner import Planner
 from fastddrive.schema import NUM_WAYPOINTS, WAYPOINT_INTERVAL_S
 
@@ -291,7 +292,7 @@ def run_drive(
                 video=settings.video is not None,
             )
             result = episode_result(trace, job.decoder, latency)
-            write_atomically(result_path(settings, job), json.dumps(result, allow_nan=False).encode())
+            write_bytes(result_path(settings, job), json.dumps(result, allow_nan=False).encode())
             if settings.video is not None:
                 write_gif(trace, settings.video / f"{_safe(job.label)}-{_safe(latency)}-{job.scenario}-{job.seed}.gif")
             outcome = EpisodeOutcome(job, result)

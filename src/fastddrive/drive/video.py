@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from fastddrive.data.sample import write_atomically
 from fastddrive.drive.closed_loop import RECORD_S, EpisodeTrace
 from fastddrive.drive.plan import SAMPLE_S
+from fastddrive.outputs import write_bytes
 from fastddrive.schema import WAYPOINT_INTERVAL_S
 
 IN_FORCE, DUE = (30, 170, 60), (240, 140, 0)
@@ -55,5 +55,5 @@ def write_gif(trace: EpisodeTrace, path: Path) -> Path:
         raise ValueError("the episode was driven without video: no frames to write")
     gif = io.BytesIO()
     images[0].save(gif, format="GIF", save_all=True, append_images=images[1:], duration=int(RECORD_S * 1000), loop=0)
-    write_atomically(path, gif.getvalue())
+    write_bytes(path, gif.getvalue())
     return path
