@@ -1,55 +1,48 @@
-"""The planning service through a real HTTP client against servers on 127.0.0.1 (the embedded model): the
-library's answers, 422s naming the field, a burst past the queue, timeouts, SIGTERM, the page, metrics."""
+"""The planning service through a real HTTP client against servers on 127.0.0.1: the library's answers (the
+embedded model), 422s naming the field, a burst past the queue, timeouts, a killed model process, SIGTERM,
+the page, metrics. Whatever depends on the model being busy uses a gated fake planner (`serve_fakes`) that
+waits until the test releases it: no outcome here is decided by a clock."""
 
 import asyncio
 import base64
 import io
 import json
+import multiprocessing
 import os
 import re
 import signal
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from functools import partial
 
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 from PIL import Image
 
 import fastddrive
+from fastddrive.decode.registry import DecoderError
 from fastddrive.outputs import finite
 from fastddrive.planner import PlanInputs
 from fastddrive.serve.app import FiniteJSONResponse, create_app
-from fastddrive.serve.loadtest import LoadTestError, client_counts, load_test, served
+from fastddrive.serve.loadtest import LoadTestError, client_counts, free_port, load_test
 from fastddrive.serve.worker import _let_the_loop_answer
+from serve_fakes import (
+    READY_S,
+    FakePlanner,
+    GatedPlanner,
+    fake_ids,
+    gated_load,
+    gates,
+    running,
+    scene_body,
+    serve,
+    wait_until,
+)
 
 COMMANDS = ("go_straight", "go_left", "go_right")
-
-
-@contextmanager
-def running(app):
-    """Serve `app` on a free loopback port in a thread; yields the URL once the model is ready."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    try:
-        deadline = time.monotonic() + 60
-        while not (server.started and httpx.get(url + "/readyz").status_code == 200):
-            assert time.monotonic() < deadline, "the service did not become ready"
-            time.sleep(0.05)
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(60)
 
 
 @pytest.fixture(scope="module")
@@ -67,32 +60,17 @@ def tagged(scenes):
 
 
 @pytest.fixture(scope="module")
-def url():
-    """The service with the model loaded in a process of its own (`fastddrive serve --model-process`)."""
-    app = create_app(partial(fastddrive.load, "default"), "ss", max_queue=2, timeout_s=60, isolated=True)
-    with running(app) as base:
+def url(embedded):
+    """The service over the embedded model, on the worker thread (`fastddrive serve`'s default)."""
+    with running(create_app(lambda: embedded, "ss", max_queue=2, timeout_s=60)) as base:
         yield base
 
 
-def test_the_model_runs_in_its_own_process_and_a_failed_load_says_why(url):
-    from fastddrive.decode.registry import DecoderError
-    from fastddrive.serve.model_process import ModelProcessDied, PlannerProcess
-
-    planner = PlannerProcess(partial(fastddrive.load, "default-ar"))
-    try:
-        assert planner._process.pid != os.getpid() and planner.facts.kind == "autoregressive"
-        with pytest.raises(DecoderError, match="needs a block-diffusion checkpoint"):
-            planner.timed_plan(PlanInputs(images=[], history=np.zeros((7, 6)), command="go_straight"), "ss")
-    finally:
-        planner.close()
-    with pytest.raises(ModelProcessDied):
-        planner.timed_plan(PlanInputs(images=[], history=np.zeros((7, 6)), command="go_straight"), "ar")
+def test_a_model_that_fails_to_load_in_its_own_process_says_why_on_readyz():
     app = create_app(partial(fastddrive.load, "/no/such/model"), isolated=True)
     with TestClient(app) as client:  # the load fails in the model process; the service says why
-        deadline = time.monotonic() + 60
-        while (ready := client.get("/readyz")).json()["status"] == "loading":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(lambda: client.get("/readyz").json()["status"] != "loading", "the failed load")
+        ready = client.get("/readyz")
         assert ready.status_code == 503 and "/no/such/model" in ready.json()["status"]
 
 
@@ -118,7 +96,7 @@ def _image(size, fmt="PNG"):
 
 BAD = [
     ({"images": [_image((30, 30))]}, ["images"], "multiple of 28"),
-    ({"images": [_image((28, 28), "GIF")]}, ["images", 0], "give PNG or JPEG"),
+    ({"images": [_image((28, 28), "GIF")]}, ["images", 0], "PNG or JPEG"),
     ({"images": ["not base64!"]}, ["images", 0], "not valid base64"),
     ({"images": [base64.b64encode(base64.b64decode(_image((28, 28)))[:50]).decode()]}, ["images", 0], "readable PNG"),
     ({"images": []}, ["images"], "give at least one camera image"),
@@ -129,7 +107,11 @@ BAD = [
     ({"decoder": "beam"}, ["decoder"], "unknown decoder 'beam'"),
     ({"options": {"tau": 0.5}}, ["options"], "takes no option 'tau'"),
     ({"decoder": "sd", "options": {"tau": 2}}, ["options"], "tau"),
-    ({"options": {"drafts": [1, 2]}}, ["options"], "drafts"),  # checked by the decoder, on the worker
+    ({"options": {"drafts": [1, 2]}}, ["options"], "drafts"),
+    ({"options": {"drafts": [10**6] * 261}}, ["options"], "outside the model's vocabulary"),
+    ({"decoder": "jacobi", "options": {"drafts": [815]}}, ["options"], "outside the model's vocabulary"),
+    ({"decoder": "tts", "options": {"rollouts": 2000}}, ["options"], "rollouts"),
+    ({"decoder": "pvf", "options": {"vocabulary": "/etc/passwd"}}, ["options", "vocabulary"], "names a file"),
 ]
 
 
@@ -152,38 +134,53 @@ def _post(url, body):
     return reply, 1000 * (time.perf_counter() - began)
 
 
-def test_a_burst_larger_than_the_queue_is_answered_or_refused_never_mixed_up(url, embedded, tagged):
-    burst = tagged[:8]  # 8 concurrent requests, distinct scenes; the model takes one, the queue 2
-    with ThreadPoolExecutor(len(burst)) as pool:
-        replies = list(pool.map(lambda item: _post(url, item[1]), burst))
-    statuses = [reply.status_code for reply, _ in replies]
-    assert set(statuses) <= {200, 503} and statuses.count(200) >= 1 and statuses.count(503) >= 1, statuses
-    latencies = []
-    for (inputs, _), (reply, ms) in zip(burst, replies, strict=True):
-        if reply.status_code == 503:
-            assert reply.headers["retry-after"] == "1"
-            continue
+def test_a_burst_larger_than_the_queue_is_answered_or_refused_never_mixed_up(embedded, tagged):
+    # The model (embedded, on the worker thread) waits at a gate: one request on it, then of a burst of seven
+    # two wait in the queue and five are refused, whatever the machine's speed; each answer is its own plan.
+    started, release = threading.Event(), threading.Event()
+    with running(create_app(lambda: GatedPlanner(started, release, embedded), max_queue=2)) as base:
+        first, burst = tagged[0], tagged[1:8]
+        with ThreadPoolExecutor(len(burst) + 1) as pool:
+            on_model = pool.submit(_post, base, first[1])
+            assert started.wait(READY_S)
+            pending = [pool.submit(_post, base, body) for _, body in burst]
+            wait_until(lambda: sum(f.done() for f in pending) == 5, "five refusals")
+            refused = [f.result(timeout=READY_S)[0] for f in pending if f.done()]
+            assert [reply.status_code for reply in refused] == [503] * 5
+            assert all(reply.headers["retry-after"] == "1" for reply in refused)
+            metrics = httpx.get(base + "/metrics").text
+            assert "fastddrive_queue_depth 2.0" in metrics
+            assert 'fastddrive_plan_requests_total{status="503"} 5.0' in metrics
+            release.set()
+            answered = [(first[0], on_model.result(timeout=READY_S))] + [
+                (inputs, f.result(timeout=READY_S))
+                for (inputs, _), f in zip(burst, pending, strict=True)
+                if f.result(timeout=READY_S)[0].status_code != 503
+            ]
+    assert len(answered) == 3
+    for inputs, (reply, _) in answered:
+        assert reply.status_code == 200
         assert reply.json()["token_ids"] == embedded.plan(inputs, "ss").token_ids  # its own scene's plan
-        latencies.append(ms)
-    print(
-        f"burst of {len(burst)}: {len(latencies)} answered, p50 {np.percentile(latencies, 50):.0f} ms, "
-        f"p99 {np.percentile(latencies, 99):.0f} ms, {statuses.count(503)} refused with 503"
-    )
-    metrics = httpx.get(url + "/metrics").text
-    assert f'fastddrive_plan_requests_total{{status="503"}} {float(statuses.count(503))}' in metrics
-    assert "fastddrive_queue_depth 0.0" in metrics
 
 
-def test_a_request_past_its_timeout_is_a_504_and_frees_its_slot(embedded, tagged):
-    # The model on the worker thread (the default of `fastddrive serve`).
-    with running(create_app(lambda: embedded, "ar", max_queue=1, timeout_s=0.05, isolated=False)) as base:
-        with ThreadPoolExecutor(2) as pool:  # one on the model, one waiting: both past 50 ms
-            first = [reply.status_code for reply, _ in pool.map(lambda item: _post(base, item[1]), tagged[:2])]
-        assert first == [504, 504]
-        # The model is still on the first request, but the waiting one's slot is free again: 504, not 503.
-        again, _ = _post(base, tagged[2][1])
-        assert again.status_code == 504, again.text
-        assert "fastddrive_queue_depth 0.0" in httpx.get(base + "/metrics").text
+def test_a_request_past_its_timeout_is_a_504_and_frees_its_slot():
+    # The model is held at a gate for the whole test: every request times out, whatever the machine's speed.
+    started, release = threading.Event(), threading.Event()
+    app = create_app(lambda: GatedPlanner(started, release), "ss", max_queue=1, timeout_s=0.2)
+    try:
+        with running(app) as base, ThreadPoolExecutor(1) as pool:
+            on_model = pool.submit(_post, base, scene_body(1))
+            assert started.wait(READY_S)
+            waiting, _ = _post(base, scene_body(2))  # the queue's one slot, until its time is up
+            assert waiting.status_code == 504, waiting.text
+            # The model is still on the first request, but the waiting one's slot is free again: 504, not 503.
+            again, _ = _post(base, scene_body(3))
+            assert again.status_code == 504, again.text
+            assert on_model.result(timeout=READY_S)[0].status_code == 504
+            assert "fastddrive_queue_depth 0.0" in httpx.get(base + "/metrics").text
+            release.set()
+    finally:
+        release.set()
 
 
 def test_the_page_loads_and_its_form_round_trips_one_plan(url, embedded, tagged):
@@ -202,44 +199,158 @@ def test_the_page_loads_and_its_form_round_trips_one_plan(url, embedded, tagged)
     assert bad.status_code == 422 and {d["loc"][1] for d in bad.json()["detail"]} == {"scene", "frame"}
 
 
-def test_health_readiness_metrics_and_docs(url, tagged):
-    assert httpx.get(url + "/healthz").json() == {"status": "ok"}
-    assert httpx.get(url + "/readyz").json()["status"] == "ready"
-    for decoder in ("ss", "ar"):  # so that both decoders' series exist, whatever ran before
-        assert httpx.post(url + "/v1/plan", json=tagged[1][1] | {"decoder": decoder}, timeout=60).status_code == 200
-    metrics = httpx.get(url + "/metrics").text
-    for name in ("fastddrive_plan_requests_total", "fastddrive_plan_latency_seconds_bucket", "fastddrive_queue_depth"):
-        assert name in metrics
-    assert (
-        'fastddrive_nfe_count{decoder="ss"}' in metrics and 'fastddrive_tokens_per_forward_sum{decoder="ar"}' in metrics
-    )
-    assert "/v1/plan" in httpx.get(url + "/openapi.json").json()["paths"]
-    docs = httpx.get(url + "/docs")
-    assert docs.status_code == 200 and "cdn" not in docs.text  # offline: the page's scripts are served here
-    assert httpx.get(url + "/docs-assets/swagger-ui-bundle.js").status_code == 200
+def test_health_readiness_metrics_and_docs():
+    with running(create_app(FakePlanner, "ss")) as url:
+        assert httpx.get(url + "/healthz").json() == {"status": "ok"}
+        assert httpx.get(url + "/readyz").json()["status"] == "ready"
+        for decoder in ("ss", "ar"):
+            assert httpx.post(url + "/v1/plan", json=scene_body(1) | {"decoder": decoder}).status_code == 200
+        metrics = httpx.get(url + "/metrics").text
+        for name in (
+            "fastddrive_plan_requests_total",
+            "fastddrive_plan_latency_seconds_bucket",
+            "fastddrive_queue_depth",
+            "fastddrive_model_restarts_total 0.0",
+        ):
+            assert name in metrics
+        assert 'fastddrive_nfe_count{decoder="ss"}' in metrics
+        assert 'fastddrive_tokens_per_forward_sum{decoder="ar"}' in metrics
+        assert "/v1/plan" in httpx.get(url + "/openapi.json").json()["paths"]
+        docs = httpx.get(url + "/docs")
+        assert docs.status_code == 200 and "cdn" not in docs.text  # offline: the page's scripts are served here
+        assert httpx.get(url + "/docs-assets/swagger-ui-bundle.js").status_code == 200
 
 
-def test_sigterm_during_a_burst_finishes_in_flight_refuses_new_and_exits_0(embedded, tagged):
-    burst = tagged[3:7]
-    with served("--max-queue", "8") as (base, process), ThreadPoolExecutor(len(burst)) as pool:
-        replies = [pool.submit(_post, base, body) for _, body in burst]
-        deadline = time.monotonic() + 30
-        while "fastddrive_queue_depth 3.0" not in httpx.get(base + "/metrics").text:  # all in: 1 running, 3 wait
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        process.send_signal(signal.SIGTERM)
-        with pytest.raises(httpx.ConnectError):
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:  # the listening socket closes within a tick of uvicorn's loop
-                httpx.get(base + "/healthz", timeout=5)
-                time.sleep(0.02)
-        with pytest.raises(httpx.ConnectError):
-            httpx.post(base + "/v1/plan", json=burst[0][1], timeout=5)
-        for (inputs, _), future in zip(burst, replies, strict=True):
-            reply, _ = future.result()
-            assert reply.status_code == 200
-            assert reply.json()["token_ids"] == embedded.plan(inputs, "ss").token_ids
-        assert process.wait(60) == 0
+def _server_process(started, release, isolated=False, timeout_s=600.0, grace_s=600.0):
+    """`app.run` over a gated fake planner in a process of its own, ready: (its URL, the process)."""
+    port = free_port()
+    context = multiprocessing.get_context("spawn")
+    process = context.Process(target=serve, args=(port, started, release, isolated, timeout_s, grace_s))
+    process.start()
+    base = f"http://127.0.0.1:{port}"
+
+    def ready():
+        assert process.is_alive(), f"the server ended (exit status {process.exitcode})"
+        try:
+            return httpx.get(base + "/readyz").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(ready, "the server start")
+    return base, process
+
+
+def _refuses_connections(base):
+    try:
+        httpx.get(base + "/healthz", timeout=5)
+    except httpx.ConnectError:
+        return True
+    return False
+
+
+def test_sigterm_during_a_burst_finishes_in_flight_refuses_new_and_exits_0(tmp_path):
+    started, release = gates(tmp_path, "started", "release")
+    base, process = _server_process(started, release)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            replies = [pool.submit(_post, base, scene_body(k)) for k in range(4)]
+            assert started.wait(READY_S)
+            wait_until(lambda: "fastddrive_queue_depth 3.0" in httpx.get(base + "/metrics").text, "all queued")
+            os.kill(process.pid, signal.SIGTERM)
+            wait_until(lambda: _refuses_connections(base), "the listening socket's close")
+            with pytest.raises(httpx.ConnectError):
+                httpx.post(base + "/v1/plan", json=scene_body(9), timeout=5)
+            release.set()  # the four in flight are answered, each with its own scene's answer
+            for k, future in enumerate(replies):
+                reply, _ = future.result(timeout=READY_S)
+                assert reply.status_code == 200 and reply.json()["token_ids"] == fake_ids(k)
+        process.join(READY_S)
+        assert process.exitcode == 0
+    finally:
+        release.set()
+        if process.is_alive():
+            process.kill()
+
+
+def test_sigterm_stops_within_the_grace_period_when_the_model_is_on_an_abandoned_request(tmp_path):
+    # The model never comes back from its request (the gate stays shut), whose client has had its 504: the
+    # server must still exit after SIGTERM, abandoning it; without the bound on the worker it never would.
+    # (A model process is killed instead: the end of the next test.)
+    started, release = gates(tmp_path, "started", "release")
+    base, process = _server_process(started, release, timeout_s=0.2, grace_s=1.0)
+    try:
+        reply, _ = _post(base, scene_body(1))
+        assert reply.status_code == 504 and started.is_set()
+        os.kill(process.pid, signal.SIGTERM)
+        process.join(READY_S)
+        assert process.exitcode == 0
+    finally:
+        if process.is_alive():
+            process.kill()
+
+
+def test_the_model_process_answers_over_its_pipe_and_when_killed_is_seen_and_restarted(tmp_path):
+    # As the OOM killer would: SIGKILL to the model process, once while it plans, once while it is idle. Its
+    # restart is held in its loading (the `loadable` gate), so that the time it is down is the test's.
+    started, release, loadable = gates(tmp_path, "started", "release", "loadable")
+    loadable.set()
+    app = create_app(partial(gated_load, started, release, loadable), max_queue=4, timeout_s=600, isolated=True)
+
+    def restarts(base):
+        found = re.search(r"fastddrive_model_restarts_total ([\d.]+)", httpx.get(base + "/metrics").text)
+        return float(found[1])
+
+    with running(app) as base, ThreadPoolExecutor(2) as pool:
+        planner = app.state.worker.planner  # idle: the test may use its pipe
+        assert planner.pid != os.getpid() and planner.facts == FakePlanner.facts
+        release.set()
+        with pytest.raises(DecoderError, match="unknown decoder 'beam'"):  # the library's error, typed, via the pipe
+            planner.timed_plan(PlanInputs(images=[], history=np.zeros((7, 6)), command="go_straight"), "beam")
+        release.clear()
+        started.clear()
+
+        on_model = pool.submit(_post, base, scene_body(1))
+        assert started.wait(READY_S)
+        queued = pool.submit(_post, base, scene_body(2))
+        wait_until(lambda: "fastddrive_queue_depth 1.0" in httpx.get(base + "/metrics").text, "the second queued")
+        loadable.clear()
+        killed = app.state.worker.planner.pid
+        os.kill(killed, signal.SIGKILL)
+        for future in (on_model, queued):  # the request on the model and the one queued behind it
+            reply, _ = future.result(timeout=READY_S)
+            assert reply.status_code == 503 and "killed by SIGKILL" in reply.json()["detail"], reply.text
+        ready = httpx.get(base + "/readyz")
+        assert ready.status_code == 503 and "restarting" in ready.json()["status"]
+        refused, _ = _post(base, scene_body(3))
+        assert refused.status_code == 503 and "not ready" in refused.json()["detail"]
+        release.set()
+        loadable.set()
+        wait_until(lambda: httpx.get(base + "/readyz").status_code == 200, "the restart")
+        assert restarts(base) == 1.0 and app.state.worker.planner.pid != killed
+        reply, _ = _post(base, scene_body(4))
+        assert reply.status_code == 200 and reply.json()["token_ids"] == fake_ids(4)
+
+        loadable.clear()  # now while idle: seen without a request
+        os.kill(app.state.worker.planner.pid, signal.SIGKILL)
+        wait_until(lambda: httpx.get(base + "/readyz").status_code == 503, "the death seen")
+        loadable.set()
+        wait_until(lambda: httpx.get(base + "/readyz").status_code == 200, "the second restart")
+        assert restarts(base) == 2.0
+        reply, _ = _post(base, scene_body(5))
+        assert reply.status_code == 200 and reply.json()["token_ids"] == fake_ids(5)
+
+        release.clear()  # the server stops while the model process is on a request: it is killed, not awaited
+        started.clear()
+        on_model = pool.submit(_post, base, scene_body(6))
+        assert started.wait(READY_S)
+        busy = app.state.worker.planner.pid
+        app.state.worker.close()  # as the server's shutdown does, after its grace period
+        assert not app.state.worker.running
+        with pytest.raises(ProcessLookupError):
+            os.kill(busy, 0)
+        assert (
+            on_model.result(timeout=READY_S)[0].status_code == 503 and restarts(base) == 2.0
+        )  # stopped, not restarted
 
 
 def test_the_worker_lets_the_event_loop_answer_before_it_plans_again():

@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fastddrive.cli.common import app, console, user_errors
@@ -29,11 +31,43 @@ def serve_command(
     model_process: Annotated[
         bool, typer.Option(help="Run the model in a process of its own (default: on a thread of the server).")
     ] = False,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="FASTDDRIVE_API_KEY",
+            show_default=False,
+            help="Require 'Authorization: Bearer KEY' on every route but /healthz (401 otherwise).",
+        ),
+    ] = None,
+    pvf_vocabulary: Annotated[
+        Path | None,
+        typer.Option(help="The planning vocabulary of pvf requests (default: the model folder's, if it has one)."),
+    ] = None,
+    max_body_mib: Annotated[int, typer.Option(min=1, help="Largest request body in MiB (413).")] = 16,
+    body_timeout_s: Annotated[
+        float, typer.Option(min=0.001, help="Seconds a request body may take to arrive (408).")
+    ] = 30.0,
+    max_images: Annotated[int, typer.Option(min=1, help="Images per request (422).")] = 8,
+    max_image_pixels: Annotated[
+        int, typer.Option(min=784, help="Pixels of one image, read from its header before decoding (422).")
+    ] = 2048 * 2048,
+    max_request_pixels: Annotated[int, typer.Option(min=784, help="Pixels of all images of a request (422).")] = (
+        4096 * 4096
+    ),
+    option_cap: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="OPTION=N or DECODER.OPTION=N: the largest value a request may give a decoder option (422); "
+            "repeat it. Defaults: block_size=64, selfspec-quad.block_size=16, rollouts=8, rollout_window=64, "
+            "width=8, reveal=64, max_blocks=4, candidates=16."
+        ),
+    ] = None,
 ) -> None:
     """Serve the planner over HTTP: POST /v1/plan, the page at /, /docs, /healthz, /readyz, /metrics.
 
-    One worker owns the model (on a thread, or in a process of its own with --model-process); SIGTERM stops
-    accepting, finishes the requests in flight and exits 0."""
+    One worker owns the model (on a thread, or in a process of its own with --model-process, restarted if it
+    dies); SIGTERM stops accepting, finishes the requests in flight (for at most --timeout-s + 5 s) and exits 0.
+    Requests are bounded by the limits below, and name no file: pvf plans with --pvf-vocabulary."""
     from functools import partial
 
     import fastddrive
@@ -41,12 +75,25 @@ def serve_command(
     from fastddrive.eval.roofline import parse_dtype
     from fastddrive.model_files import check_device, model_path
     from fastddrive.serve.app import create_app, run
+    from fastddrive.serve.guards import exposure_warning
+    from fastddrive.serve.limits import MIB, ServiceLimits, parse_caps
+    from fastddrive.serve.resources import planning_vocabulary
 
+    if api_key is not None and not api_key.strip():
+        raise typer.BadParameter("the API key is empty", param_hint="--api-key")
     with user_errors():
         get_decoder(decoder)
-        model_path(model)
+        folder = model_path(model)
         check_device(device)
         weights = parse_dtype(dtype) if dtype else None
+        limits = ServiceLimits(
+            max_body_bytes=max_body_mib * MIB,
+            body_timeout_s=body_timeout_s,
+            max_images=max_images,
+            max_image_pixels=max_image_pixels,
+            max_request_pixels=max_request_pixels,
+            option_caps=parse_caps(option_cap or []),
+        )
         service = create_app(
             partial(fastddrive.load, model, device=device, dtype=weights),
             decoder,
@@ -54,7 +101,13 @@ def serve_command(
             timeout_s,
             data,
             isolated=model_process,
+            limits=limits,
+            api_key=api_key.strip() if api_key else None,
+            pvf_vocabulary=planning_vocabulary(folder, pvf_vocabulary),
         )
+    warning = exposure_warning(host, api_key)
+    if warning:
+        Console(stderr=True).print(f"[bold yellow]{escape(warning)}[/]", highlight=False, soft_wrap=True)
     run(service, host, port, grace_s=timeout_s + 5)
 
 

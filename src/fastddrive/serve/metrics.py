@@ -17,8 +17,8 @@ TOKENS_PER_FORWARD_BUCKETS = (1, 1.5, 2, 3, 4, 6, 8, 12, 16, 32)
 
 
 class ServiceMetrics:
-    """Plan requests by status and their latency, the queue depth, and per decoder the forwards an answer
-    took and the tokens each forward gave."""
+    """Plan requests by status and their latency, the queue depth, per decoder the forwards an answer took and
+    the tokens each forward gave, and the model processes started again after theirs died."""
 
     def __init__(self, queue_depth: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
@@ -33,6 +33,11 @@ class ServiceMetrics:
         )
         self.queue = Gauge("fastddrive_queue_depth", "Plan requests waiting for the model.", registry=self.registry)
         self.queue.set_function(queue_depth)
+        self.model_restarts = Counter(
+            "fastddrive_model_restarts",
+            "Model processes started again after theirs ended (--model-process).",
+            registry=self.registry,
+        )
         self.nfe = Histogram(
             "fastddrive_nfe",
             "Model forward calls per answer (prefill included), by decoder.",

@@ -7,6 +7,10 @@ is service overhead that grows with the number of clients. Here the model lives 
 is fine there too) and the server keeps only the HTTP work: `PlannerProcess.plan` sends a validated scene
 over a pipe and waits for the answer, releasing the lock while it waits. Only this package's own objects
 cross the pipe, between two processes of the same service; nothing a client sent is unpickled.
+
+A model process can die under the service (the kernel's OOM killer sends SIGKILL): a thread watches its
+sentinel, so that the service knows at once (`alive`, the `on_exit` callback) rather than at the next request,
+and the request the model was on gets ModelProcessDied; the model worker then starts a new one.
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import signal
+import threading
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from fastddrive.decode.result import DecodeResult
@@ -25,6 +30,14 @@ from fastddrive.planner import ModelFacts, PlanInputs, Planner
 
 class ModelProcessDied(RuntimeError):
     """The model process ended while the service still needed it."""
+
+
+def ended(exitcode: int | None) -> str:
+    """How a process ended, in words: 'killed by SIGKILL', 'exit status 1'."""
+    if exitcode is not None and exitcode < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit status {exitcode}"
 
 
 def timed_plan(planner: Planner, scene: PlanInputs, decoder: str, **options: Any) -> tuple[DecodeResult, float]:
@@ -38,6 +51,8 @@ class PlannerOnThread:
     """A planner loaded on the calling thread, behind `PlannerProcess`'s interface (`facts`, `timed_plan`,
     `close`), so that the model worker treats both alike."""
 
+    alive = True  # it lives as long as the service
+
     def __init__(self, load: Callable[[], Planner]) -> None:
         self._planner = load()
         self.facts: ModelFacts = self._planner.facts
@@ -50,46 +65,73 @@ class PlannerOnThread:
 
 
 class PlannerProcess:
-    """`load()` run in a child process; then `timed_plan`, and `facts` as `Planner.facts`."""
+    """`load()` run in a child process; then `timed_plan`, and `facts` as `Planner.facts`. `on_exit()` is called
+    (on a thread of its own) as soon as the process has ended, however it ended."""
 
-    def __init__(self, load: Callable[[], Planner]) -> None:
+    def __init__(self, load: Callable[[], Planner], on_exit: Callable[[], None] = lambda: None) -> None:
         context = multiprocessing.get_context("spawn")  # a fork would copy the server's threads and locks
         self._conn, child = context.Pipe()
         self._process = context.Process(target=_serve_plans, args=(load, child), name="fastddrive-model", daemon=True)
         self._process.start()
         child.close()
+        self._exited = threading.Event()
+        self._on_exit = on_exit
+        threading.Thread(target=self._watch, name="model-process-watch", daemon=True).start()
         loaded = self._receive()
         if isinstance(loaded, BaseException):
             self.close()
             raise loaded
         self.facts: ModelFacts = loaded
 
+    @property
+    def alive(self) -> bool:
+        return not self._exited.is_set()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
     def timed_plan(self, scene: PlanInputs, decoder: str, **options: Any) -> tuple[DecodeResult, float]:
         """The answer, and how long the model process spent planning it (ms, without the pipe)."""
         try:
             self._conn.send((scene, decoder, options))
         except OSError:
-            raise ModelProcessDied(f"the model process is gone (status {self._process.exitcode})") from None
+            raise self.died() from None
         answer, error, plan_ms = self._receive()
         if error is not None:
             raise error
         return answer, plan_ms
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Let the model process finish what it is on and exit."""
-        if self._process.is_alive():
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Let the model process finish what it is on and exit; kill it after `timeout_s`."""
+        if self.alive:
             with contextlib.suppress(OSError):  # it is gone already
                 self._conn.send(None)
         self._process.join(timeout_s)
+        self.kill()
+        self._conn.close()
+
+    def kill(self) -> None:
+        """End the process now (what it is on is abandoned); a `timed_plan` waiting on it gets ModelProcessDied."""
         if self._process.is_alive():
             self._process.kill()
-        self._conn.close()
+            self._process.join()
+
+    def _watch(self) -> None:
+        wait([self._process.sentinel])  # readable once the process has ended
+        self._exited.set()
+        self._on_exit()
 
     def _receive(self) -> Any:
         try:
             return self._conn.recv()
         except (EOFError, OSError):
-            raise ModelProcessDied(f"the model process exited (status {self._process.exitcode})") from None
+            raise self.died() from None
+
+    def died(self) -> ModelProcessDied:
+        """The error that says how the process ended (call it once it has)."""
+        self._process.join(5)
+        return ModelProcessDied(f"the model process ended ({ended(self._process.exitcode)})")
 
 
 def _serve_plans(load: Callable[[], Planner], conn: Connection) -> None:

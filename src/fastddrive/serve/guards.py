@@ -1,0 +1,110 @@
+"""The service's doors (issue 32): an API key on every route but /healthz, and bodies bounded in size and time.
+
+Both are plain ASGI middleware, so they run before FastAPI reads anything. `BearerKey` answers 401 (with
+`WWW-Authenticate`) to a request without `Authorization: Bearer <key>`, comparing in constant time.
+`BodyLimit` answers 413 when `Content-Length` is past the limit, before reading a byte, and counts the bytes
+of a body sent without one (chunked) while they arrive, refusing it once past the limit; a body that has not
+arrived within the limit's time is a 408, and the connection is then closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import time
+
+from fastapi import HTTPException
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from fastddrive.serve.limits import ServiceLimits
+
+OPEN_PATHS = ("/healthz",)  # a load balancer's liveness probe carries no key
+
+
+class BearerKey:
+    """401 unless the request carries `Authorization: Bearer <key>`; /healthz is open."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            await self.app(scope, receive, send)
+            return
+        if given:
+            detail, challenge = "the API key is wrong", 'Bearer error="invalid_token"'
+        else:
+            detail, challenge = "this service needs an API key: send Authorization: Bearer <key>", "Bearer"
+        refusal = JSONResponse({"detail": detail}, 401, headers={"WWW-Authenticate": challenge})
+        await refusal(scope, receive, send)
+
+
+class BodyLimit:
+    """413 for a body past `limits.max_body_bytes` (declared, or counted as it arrives), 408 for one that has not
+    arrived within `limits.body_timeout_s` of the request's start."""
+
+    def __init__(self, app: ASGIApp, limits: ServiceLimits) -> None:
+        self.app, self.limits = app, limits
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit, timeout_s = self.limits.max_body_bytes, self.limits.body_timeout_s
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            # uvicorn reads the rest of the body and drops it; closing now could lose this answer to a reset.
+            await JSONResponse({"detail": too_large(limit)}, 413)(scope, receive, send)
+            return
+        deadline = time.monotonic() + timeout_s
+        received, more = 0, True
+
+        async def bounded() -> Message:
+            nonlocal received, more
+            if not more:  # the body is in; what follows is a disconnect, however late
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0))
+            except TimeoutError:
+                raise HTTPException(
+                    408, f"the request body did not arrive within {timeout_s:g} s", headers={"Connection": "close"}
+                ) from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                more = message.get("more_body", False)
+                if received > limit:
+                    raise HTTPException(413, too_large(limit))
+            return message
+
+        await self.app(scope, bounded, send)
+
+
+def too_large(limit: int) -> str:
+    return f"the request body is larger than the {limit} bytes this service takes"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or name to bind) reaches only this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """One line to print at start when the service listens beyond this machine without a key."""
+    if api_key or is_loopback(host):
+        return None
+    return (
+        f"warning: serving on {host} without an API key: anyone who can reach this address can use the model;"
+        " give --api-key (or FASTDDRIVE_API_KEY), or listen on 127.0.0.1"
+    )
