@@ -1,8 +1,10 @@
 """Decoder options are declared with types and ranges and checked before any work (issue 16, item 1): the
-command line's text strictly, the API's values alike, one DecoderError line naming decoder, option and range."""
+command line's text strictly, the API's values alike, one DecoderError line naming decoder, option and range.
+Every number has an upper bound too (issue 32, item 2)."""
 
 import inspect
 import math
+import re
 
 import numpy as np
 import pytest
@@ -53,6 +55,24 @@ BAD_TEXT = [
     ("ss", "drafts", "[1.5]"),
     ("ss", "drafts", "abc"),
     ("pvf", "vocabulary", ""),
+    # upper bounds (issue 32): each of these allocated gigabytes before
+    ("tts", "rollouts", "100000"),
+    ("selfspec-quad", "block_size", "100000"),
+    ("selfspec-quad", "block_size", "129"),
+    ("jacobi-mr", "max_blocks", "1000000"),
+    ("jacobi-mr", "candidates", "1000000"),
+    ("jacobi-mr", "block_size", "1025"),
+    ("sd", "block_size", "100000"),
+    ("ss", "block_size", "1025"),
+    ("selfspec", "block_size", "1025"),
+    ("jacobi", "block_size", "1000000"),
+    ("tts", "rollout_window", "1025"),
+    ("pvf", "width", "65"),
+    ("pvf", "reveal", "1025"),
+    ("tts", "temperature", "101"),
+    ("ar", "temperature", "1e-310"),
+    ("ss", "drafts", "[4294967296]"),
+    ("ss", "drafts", "[" * 5000),
 ]
 # (decoder, option, a Python value): the same through the API.
 BAD_VALUES = [
@@ -76,14 +96,26 @@ BAD_VALUES = [
     ("ss", "drafts", [1, -2]),
     ("ss", "drafts", 7),
     ("jacobi-mr", "spawn_ratio", 0.0),
+    ("tts", "rollouts", 100_000),
+    ("selfspec-quad", "block_size", 100_000),
+    ("jacobi-mr", "max_blocks", 10**6),
+    ("jacobi-mr", "candidates", 10**6),
+    ("tts", "temperature", 10**400),
+    pytest.param("sd", "block_size", 10**5000, id="sd-block_size-5001 digits"),  # more than repr() writes
+    ("ss", "drafts", list(range(2000))),
+    ("ss", "drafts", range(10**12)),
 ]
 RANGES = {
     "tau": "[0, 1]",
-    "block_size": ">=",
+    "block_size": "an integer in [",
     "seed": "[0, 2^63 - 1]",
-    "rollouts": ">= 1",
-    "rollout_window": ">= 1",
-    "temperature": ">= 0",
+    "rollouts": "[1, 256]",
+    "rollout_window": "[1, 1024]",
+    "temperature": "[0, 100] (0 is greedy; a sampling temperature is at least 0.001)",
+    "max_blocks": "[1, 64]",
+    "candidates": "[0, 64]",
+    "width": "[1, 64]",
+    "reveal": "[0, 1024]",
     "fuse_draft": "true/false",
     "planning": "true/false",
     "spawn_ratio": "(0, 1]",
@@ -326,3 +358,89 @@ def test_plan_refuses_bad_options_before_loading_a_model(no_model, scene):
     history = str(scene.history.tolist())
     result = _cli("plan", "--history", history, "--command", scene.command, "--decoder", "sd", "--option", "tau=2.0")
     assert result.exit_code == 2 and "option tau:" in result.output
+
+
+# --- refused before the costly work: range, vocabulary, memory (issue 32) ------------------------------------
+
+
+@pytest.fixture
+def frame(tmp_path):
+    from PIL import Image
+
+    path = tmp_path / "frame.png"
+    Image.fromarray(np.zeros((224, 448, 3), np.uint8)).save(path)
+    return path
+
+
+def _plan_cli(scene, frame, *args):
+    history = str(scene.history.tolist())
+    return _cli("plan", "--history", history, "--command", scene.command, "--image", frame, *args)
+
+
+def _one_line(result) -> str:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    return " ".join(result.output.split())
+
+
+def test_plan_refuses_a_value_past_its_upper_bound_before_loading(no_model, scene, frame):
+    output = _one_line(_plan_cli(scene, frame, "--decoder", "tts", "--option", "rollouts=100000"))
+    assert "decoder 'tts' option rollouts: got '100000', expected an integer in [1, 256]" in output
+
+
+def test_plan_refuses_a_decode_over_the_memory_budget_before_loading(no_model, scene, frame, monkeypatch):
+    monkeypatch.setenv("FASTDDRIVE_MEMORY_BUDGET", "64MiB")
+    output = _one_line(_plan_cli(scene, frame, "--decoder", "tts", "--option", "rollouts=256"))
+    assert "decoder 'tts' with rollouts=256 would allocate about" in output
+    assert "over the memory budget of 64.0 MiB" in output
+
+
+def test_plan_refuses_drafts_outside_the_vocabulary_before_loading(no_model, scene, frame):
+    output = _one_line(_plan_cli(scene, frame, "--decoder", "ss", "--option", "drafts=[3, 900]"))
+    assert "decoder 'ss' option drafts: token id 900 is outside the model's vocabulary of 815 tokens" in output
+
+
+def test_plan_lists_each_option_with_its_range(no_model):
+    result = _cli("plan", "--decoder", "jacobi-mr", "--show-options")
+    assert result.exit_code == 0, result.output
+    assert "max_blocks" in result.output and "[1, 64]" in result.output and "candidates" in result.output
+
+
+@pytest.fixture
+def no_forward(planner, monkeypatch):
+    """Any forward of the planner's model (the prefill included) fails the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model ran a forward")
+
+    monkeypatch.setattr(planner.model, "prefill", refuse)
+    monkeypatch.setattr(planner.model, "forward", refuse)
+
+
+@pytest.mark.parametrize(
+    ("decoder", "drafts", "message"),
+    [
+        ("ss", [815] * 261, "decoder 'ss' option drafts: token id 815 is outside the model's vocabulary of 815 tokens"),
+        ("jacobi", [0, 2**31 - 1], "token id 2147483647 is outside the model's vocabulary of 815 tokens (ids 0..814)"),
+        ("jacobi-mr", [7] * 10 + [10**6], "token id 1000000 is outside"),
+        ("ss", [0] * 10, "decoder 'ss' option drafts: got 10 ids, expected one per answer position (261)"),
+        ("jacobi", [0] * 262, "decoder 'jacobi' option drafts: got 262 ids, more than the answer's 261 positions"),
+    ],
+)
+def test_drafts_outside_the_vocabulary_or_the_answer_are_refused_before_any_forward(
+    planner, scene, no_forward, decoder, drafts, message
+):
+    with pytest.raises(DecoderError, match=re.escape(message)):
+        planner.plan(scene, decoder, drafts=drafts)
+    with pytest.raises(DecoderError, match=re.escape(message)):
+        planner.facts.check_options(decoder, {"drafts": drafts})  # what a service checks before it queues
+
+
+def test_a_decode_over_the_memory_budget_is_refused_before_any_forward(planner, scene, no_forward, monkeypatch):
+    from fastddrive.memory import MemoryBudgetError
+
+    monkeypatch.setenv("FASTDDRIVE_MEMORY_BUDGET", "32MiB")
+    with pytest.raises(MemoryBudgetError, match=r"decoder 'selfspec-quad' with block_size=64 would allocate about"):
+        planner.plan(scene, "selfspec-quad", block_size=64)
+    with pytest.raises(MemoryBudgetError, match=r"decoder 'tts' with rollouts=200 would allocate about .* 32.0 MiB"):
+        planner.facts.check_memory("tts", {"rollouts": 200})

@@ -429,7 +429,7 @@ def test_ss_with_external_drafts_keeps_the_ids_of_ar(embedded, scenes, reference
     wrong = [embedded.scaffold.null_id] * len(reference.token_ids)
     corrupted = embedded.plan(scenes[4], "ss", drafts=wrong)
     assert corrupted.token_ids == reference.token_ids and corrupted.nfe > oracle.nfe
-    with pytest.raises(ValueError, match="drafts must hold"):
+    with pytest.raises(DecoderError, match=r"option drafts: got 2 ids, expected one per answer position \(261\)"):
         embedded.plan(scenes[4], "ss", drafts=[1, 2])
 
 

@@ -6,7 +6,18 @@ from transformers import AutoModelForImageTextToText, Qwen2_5_VLForConditionalGe
 from typer.testing import CliRunner
 
 from fastddrive.cli import app
-from fastddrive.eval.roofline import forward_sweep, weight_bytes
+from fastddrive.decode.footprint import ModelSizes
+from fastddrive.eval.roofline import (
+    MAX_SWEEP_TOKENS,
+    RooflineError,
+    check_sweep,
+    forward_sweep,
+    measure_roofline,
+    roofline_model,
+    sweep_bytes,
+    weight_bytes,
+)
+from fastddrive.memory import MemoryBudgetError
 from fastddrive.random_init import architecture_config, random_init_model
 
 # The 3B preset at CPU-test sizes; the head size stays 128, as its mRoPE sections need.
@@ -109,3 +120,67 @@ def test_bad_roofline_settings_are_one_line_and_status_2(args, needle):
     result = _run("roofline", *args)
     assert result.exit_code == 2
     assert needle in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("tokens", "needle"),
+    [
+        ("100000000", "--tokens must be up to 64 distinct comma-separated integers in [1, 8192], got '100000000'"),
+        ("0", "integers in [1, 8192], got '0'"),
+        ("4,4", "distinct"),
+        (",".join(["1"] * 65), "up to 64"),
+        ("9" * 5000, "--tokens must be"),
+    ],
+)
+def test_token_counts_past_their_bounds_are_refused_before_the_model_loads(no_model, tokens, needle):
+    """`--tokens 100000000` allocated 26 GB (issue 32)."""
+    result = _run("roofline", "--tokens", tokens)
+    assert result.exit_code == 2, result.output
+    assert needle in " ".join(result.output.split()) and "Traceback" not in result.output
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Loading or building any model fails the test: bad settings are refused before."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("fastddrive.eval.roofline.load_model", refuse)
+    monkeypatch.setattr("fastddrive.eval.roofline.random_init_model", refuse)
+
+
+def test_repeats_and_warmup_have_upper_bounds(shrunk):
+    for repeats, warmup, needle in [(10**6, 3, "--repeats must be an integer in [1, 10000]"), (5, -1, "--warmup")]:
+        with pytest.raises(RooflineError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+            check_sweep([1, 2], repeats, warmup)
+        with pytest.raises(RooflineError, match="--"):
+            measure_roofline(shrunk, [1, 2], repeats, warmup, on_forward=lambda: pytest.fail("a forward was timed"))
+    with pytest.raises(RooflineError, match=f"integers in \\[1, {MAX_SWEEP_TOKENS}\\]"):
+        measure_roofline(shrunk, [MAX_SWEEP_TOKENS + 1], on_forward=lambda: pytest.fail("a forward was timed"))
+
+
+def test_a_sweep_over_the_memory_budget_is_refused_before_the_model_loads(no_model, monkeypatch):
+    monkeypatch.setenv("FASTDDRIVE_MEMORY_BUDGET", "256MiB")
+    message = r"the roofline sweep \(--tokens up to 8192\) would allocate about .* over the memory budget of 256.0 MiB"
+    with pytest.raises(MemoryBudgetError, match=message):
+        roofline_model(None, "qwen2.5-vl-3b", "cpu", None, False, tokens=[1, 8192])
+    with pytest.raises(MemoryBudgetError, match=message):
+        roofline_model("default", None, "cpu", None, False, tokens=[1, 8192])
+
+
+def test_a_sweep_over_the_memory_budget_is_refused_before_it_is_measured(shrunk, monkeypatch):
+    monkeypatch.setenv("FASTDDRIVE_MEMORY_BUDGET", "64MiB")  # below the bandwidth copy's two buffers
+    with pytest.raises(
+        MemoryBudgetError, match=r"the roofline sweep \(--tokens up to 4\) would allocate about 512.0 MiB"
+    ):
+        measure_roofline(shrunk, [1, 4], 3, 1, on_forward=lambda: pytest.fail("a forward was timed"))
+
+
+def test_the_sweep_estimate_grows_with_the_widest_forward(shrunk):
+    copy = 2 * 256 * 1024**2
+    assert sweep_bytes(ModelSizes.of_model(shrunk), [1, 8192], "cpu") == copy  # the copy's buffers are the most
+    sizes = ModelSizes.from_config(architecture_config("qwen2.5-vl-3b").to_dict(), 4)
+    assert sweep_bytes(sizes, [8192], "cpu", 300) > sweep_bytes(sizes, [4096], "cpu", 300) > copy
+    logits = 8192 * sizes.vocab * 2 * 4  # the widest forward's logits and their pick
+    assert logits < sweep_bytes(sizes, [8192], "cpu", 300) < 2 * logits

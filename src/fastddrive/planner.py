@@ -7,6 +7,9 @@ result.response.trajectory, result.nfe, result.decode_ms
 
 from __future__ import annotations
 
+import json
+import numbers
+import reprlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,21 +19,41 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from fastddrive.data.sample import NAV_COMMANDS, DrivingSample, SampleError, check_command, check_history, check_image
-from fastddrive.decode.registry import check_runs_on, decode
+from fastddrive.data.sample import (
+    HISTORY_COLUMNS,
+    HISTORY_STEPS,
+    NAV_COMMANDS,
+    DrivingSample,
+    SampleError,
+    check_history,
+    check_image,
+)
+from fastddrive.decode.footprint import ModelSizes, check_decode_memory
+from fastddrive.decode.registry import check_drafts, check_options, check_runs_on, decode, vocabulary_size
 from fastddrive.decode.result import DecodeResult
+from fastddrive.inputs import MAX_IMAGE_PIXELS
 from fastddrive.model import BlockDiffusionModel, PromptInputs
-from fastddrive.model_files import check_device, load_model, model_path
+from fastddrive.model_files import check_device, load_model, model_path, read_info
 from fastddrive.prompt import chat_text
 from fastddrive.scaffold import DEFAULT_EXPLANATION_BUDGET, Scaffold
+from fastddrive.tokenizer import load_tokenizer
+
+# Twice the largest camera rig of the data sets read here (8 cameras in WOD-E2E); every image adds its patches
+# to the prompt, and the embedded models were trained on one.
+MAX_IMAGES = 16
+HISTORY_SHAPE = (
+    f"{HISTORY_STEPS} rows (t = -3.0..0.0 s every 0.5 s) of {len(HISTORY_COLUMNS)} real numbers"
+    f" ({', '.join(HISTORY_COLUMNS)})"
+)
 
 
 class PlanInputs(BaseModel):
     """What the planner reads: camera image(s), the ego history and the navigation command.
 
-    images: (H, W, 3) uint8 RGB arrays, sides multiples of 28 px; history: 7 rows (t = -3.0..0.0 s every
-    0.5 s) of x, y [m], vx, vy [m/s], ax, ay [m/s^2] in the ego frame at t = 0 (+x forward, +y left);
-    command: one of NAV_COMMANDS.
+    images: up to MAX_IMAGES (H, W, 3) uint8 RGB arrays, sides multiples of 28 px, at most MAX_IMAGE_PIXELS
+    each; history: 7 rows (t = -3.0..0.0 s every 0.5 s) of x, y [m], vx, vy [m/s], ax, ay [m/s^2] in the ego
+    frame at t = 0 (+x forward, +y left), finite; command: one of NAV_COMMANDS. Anything else is refused by
+    `checked` in one line, its size and shape first: a huge or deeply nested value is never walked whole.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
@@ -42,21 +65,31 @@ class PlanInputs(BaseModel):
     @field_validator("images", mode="before")
     @classmethod
     def _images(cls, value: Any) -> tuple[np.ndarray, ...]:
-        images = (value,) if isinstance(value, np.ndarray) else tuple(value)
-        for image in images:
+        if isinstance(value, np.ndarray):
+            value = (value,)
+        if not isinstance(value, (list, tuple)):
+            raise SampleError(f"images must be a list of (H, W, 3) uint8 arrays, got {type(value).__name__}")
+        if len(value) > MAX_IMAGES:
+            raise SampleError(f"{len(value)} images given; a scene takes at most {MAX_IMAGES}")
+        for image in value:
             check_image(image)
-        return images
+            if image.shape[0] * image.shape[1] > MAX_IMAGE_PIXELS:
+                h, w = image.shape[:2]
+                raise SampleError(f"image is {w}x{h} px, more than the {MAX_IMAGE_PIXELS} px an image may have")
+        return tuple(value)
 
     @field_validator("history", mode="before")
     @classmethod
     def _history(cls, value: Any) -> np.ndarray:
+        check_history_shape(value)
         check_history(value)
         return np.asarray(value, dtype=float)
 
-    @field_validator("command")
+    @field_validator("command", mode="before")
     @classmethod
-    def _command(cls, value: str) -> str:
-        check_command(value)
+    def _command(cls, value: Any) -> str:
+        if not isinstance(value, str) or value not in NAV_COMMANDS:
+            raise SampleError(f"unknown navigation command {_cut(value)}; known: {', '.join(NAV_COMMANDS)}")
         return value
 
     @classmethod
@@ -65,7 +98,46 @@ class PlanInputs(BaseModel):
         try:
             return cls(**fields)
         except ValidationError as err:
-            raise SampleError(str(err.errors()[0]["msg"]).removeprefix("Value error, ")) from None
+            error = err.errors(include_url=False)[0]
+            what = ".".join(str(part) for part in error["loc"])
+            message = str(error["msg"]).removeprefix("Value error, ")
+            raise SampleError(message if error["type"] == "value_error" else f"{what}: {message}") from None
+
+
+def check_history_shape(value: Any) -> None:
+    """SampleError unless `value` is shaped as a history: an array of shape (7, 6), or 7 lists of 6 numbers.
+    Only the shape and the items' types: a million rows or a list nested a thousand deep is refused at its
+    first level, before anything walks or converts it (values are checked by `check_history`)."""
+    if isinstance(value, np.ndarray):
+        if value.shape != (HISTORY_STEPS, len(HISTORY_COLUMNS)):
+            raise SampleError(f"history must be {HISTORY_SHAPE}; got an array of shape {_cut(value.shape)}")
+        return
+    if not isinstance(value, (list, tuple)):
+        raise SampleError(f"history must be {HISTORY_SHAPE}; got {type(value).__name__}")
+    if len(value) != HISTORY_STEPS:
+        raise SampleError(f"history must be {HISTORY_SHAPE}; got {len(value)} rows")
+    for k, row in enumerate(value):
+        if isinstance(row, np.ndarray) and row.ndim != 1:
+            raise SampleError(f"history must be {HISTORY_SHAPE}; row {k} is an array of shape {_cut(row.shape)}")
+        if not isinstance(row, (list, tuple, np.ndarray)):
+            raise SampleError(f"history must be {HISTORY_SHAPE}; row {k} is {type(row).__name__}")
+        if len(row) != len(HISTORY_COLUMNS):
+            raise SampleError(f"history must be {HISTORY_SHAPE}; row {k} has {len(row)} values")
+        for item in row:
+            if isinstance(item, (bool, np.bool_)) or not isinstance(item, numbers.Real):
+                raise SampleError(f"history must be {HISTORY_SHAPE}; row {k} holds {_cut(item)}")
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 40
+
+
+def _cut(value: Any) -> str:
+    """A short repr of a value a caller gave (a long text or list is cut, never written out whole)."""
+    try:
+        return " ".join(_REPR.repr(value).split())  # one line, whatever the repr (an array's has several)
+    except Exception:  # noqa: BLE001 - any object may be given; its repr is only for the message
+        return f"a value of type {type(value).__name__}"
 
 
 def prompt_inputs(model: BlockDiffusionModel, command: str, history: np.ndarray, images: Sequence[np.ndarray]):
@@ -77,10 +149,15 @@ def prompt_inputs(model: BlockDiffusionModel, command: str, history: np.ndarray,
 @dataclass(frozen=True)
 class ModelFacts:
     """What a request is checked against before any costly work, without the weights at hand (a planner
-    in another process sends them once): whether the model reads images, and its checkpoint kind."""
+    in another process sends them once): whether the model reads images, its checkpoint kind, the token ids
+    it reads, its answer's length, and what a decode's memory scales with."""
 
     is_vision: bool
     kind: str  # CheckpointInfo.kind: "block-diffusion" or "autoregressive"
+    vocab_size: int  # token ids 0..vocab_size - 1 (the rows of its input embedding): what `drafts` may hold
+    answer_length: int  # positions of the scaffold's answer: an `ss` draft holds one id per position
+    sizes: ModelSizes  # the text decoder's sizes (decode.footprint)
+    device: str  # where it decodes: the memory budget is that device's
 
     def check_images(self, scene: PlanInputs) -> None:
         """SampleError if this is a vision model and `scene` has no camera image."""
@@ -90,6 +167,20 @@ class ModelFacts:
     def check_decoder(self, name: str) -> None:
         """DecoderError unless decoder `name` exists and runs on this model."""
         check_runs_on(self.kind, name)
+
+    def check_options(self, name: str, options: dict[str, Any]) -> dict[str, Any]:
+        """The options of decoder `name` typed and checked against their ranges and this model: the decoder runs
+        on it, and `drafts` hold ids of its vocabulary and fit its answer. DecoderError, one line."""
+        self.check_decoder(name)
+        typed = check_options(name, options)
+        check_drafts(name, typed, self.vocab_size, self.answer_length, self.kind)
+        return typed
+
+    def check_memory(self, name: str, options: dict[str, Any], prompt_tokens: int = 0) -> None:
+        """MemoryBudgetError when decoder `name` with (checked) `options` would hold more than the budget of this
+        model's device, for a prompt of `prompt_tokens` (by default none: the least any request holds)."""
+        free = self.kind == "autoregressive"
+        check_decode_memory(name, options, self.sizes, prompt_tokens, self.answer_length, self.device, free)
 
 
 class Planner:
@@ -104,7 +195,15 @@ class Planner:
 
     @property
     def facts(self) -> ModelFacts:
-        return ModelFacts(self.model.is_vision, self.model.info.kind)
+        model = self.model
+        return ModelFacts(
+            model.is_vision,
+            model.info.kind,
+            vocabulary_size(model),
+            len(self.scaffold),
+            ModelSizes.of_model(model),
+            str(model.device),
+        )
 
     def prompt(self, scene: DrivingSample | PlanInputs) -> PromptInputs:
         images = [scene.image] if isinstance(scene, DrivingSample) else scene.images
@@ -120,11 +219,55 @@ class Planner:
         command: str | None = None,
         **options: Any,
     ) -> DecodeResult:
-        """Answer one scene (a DrivingSample, PlanInputs, or images/history/command) with `decoder`."""
+        """Answer one scene (a DrivingSample, PlanInputs, or images/history/command) with `decoder`.
+
+        Everything is checked before the images are processed: the scene, the options against their ranges
+        and this model (DecoderError); then, with the prompt's length known and before the first forward, the
+        decode's memory against the budget (MemoryBudgetError, `decode.footprint`)."""
+        facts = self.facts
         if scene is None:
             scene = PlanInputs.checked(images=() if images is None else images, history=history, command=command)
-            self.facts.check_images(scene)
+            facts.check_images(scene)
+        options = facts.check_options(decoder, options)
         return decode(decoder, self.model, self.prompt(scene), self.scaffold, **options)
+
+
+def check_before_loading(
+    name: str | Path,
+    decoder: str,
+    options: dict[str, Any],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    scene: DrivingSample | PlanInputs | None = None,
+) -> dict[str, Any]:
+    """What `load(name, device, dtype).plan(scene, decoder, **options)` checks before decoding, checked from the
+    model's small files before its weights load: the options (typed and returned), that the decoder runs on the
+    checkpoint, `drafts` against its vocabulary and answer, and the decode's memory against the budget.
+
+    The memory is estimated with the prompt's text only (the scene's images add tokens that only the loaded
+    image processor counts), so it never refuses what the planner would take; the planner checks again with
+    the whole prompt. A folder whose files cannot be read is left to the loader, which names what is wrong."""
+    typed = check_options(decoder, options)
+    on = check_device(device)
+    folder = model_path(str(name))
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        info = read_info(folder)
+        tokenizer = load_tokenizer(folder)
+        scaffold = Scaffold(
+            tokenizer,
+            explanation_budget=info.explanation_budget or DEFAULT_EXPLANATION_BUDGET,
+            scaffold_tokenization=info.scaffold_tokenization,
+        )
+        dtype_bytes = dtype.itemsize if dtype is not None else 2 if on.type == "cuda" else 4
+        sizes = ModelSizes.from_config(config, dtype_bytes)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return typed
+    facts = ModelFacts(bool(config.get("vision_config")), info.kind, sizes.vocab, len(scaffold), sizes, str(on))
+    facts.check_options(decoder, typed)
+    text = chat_text(scene.command, scene.history, images=0) if scene is not None else ""
+    facts.check_memory(decoder, typed, len(tokenizer.encode(text, add_special_tokens=False)))
+    return typed
 
 
 def load(
@@ -145,4 +288,4 @@ def load(
     return Planner(model)
 
 
-__all__ = ["NAV_COMMANDS", "ModelFacts", "PlanInputs", "Planner", "load", "prompt_inputs"]
+__all__ = ["NAV_COMMANDS", "ModelFacts", "PlanInputs", "Planner", "check_before_loading", "load", "prompt_inputs"]

@@ -26,21 +26,34 @@ def plan_command(
     ] = None,
     command: Annotated[str | None, typer.Option(help="go_straight, go_left or go_right.")] = None,
     decoder: Annotated[str, typer.Option(help="A registered decoder (ar, fullseq, mdm, sd, selfspec, ...).")] = "ss",
-    option: Annotated[list[str] | None, typer.Option(help="Decoder option KEY=VALUE (tau=0.5); repeatable.")] = None,
+    option: Annotated[
+        list[str] | None,
+        typer.Option(help="Decoder option KEY=VALUE (tau=0.5); repeatable. --show-options lists each one's range."),
+    ] = None,
     device: Annotated[str, typer.Option(help="cpu, cuda, cuda:1, ...")] = "cpu",
     dtype: Annotated[
         str | None, typer.Option(help="float32, bfloat16 or float16 (default: bfloat16 on a GPU).")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the summary.")] = False,
+    show_options: Annotated[
+        bool, typer.Option("--show-options", help="List the options of --decoder with their ranges and defaults.")
+    ] = False,
 ) -> None:
-    """Plan one scene: from a dataset (--data/--split/--index) or from --image/--history/--command."""
+    """Plan one scene: from a dataset (--data/--split/--index) or from --image/--history/--command.
+
+    Options, scene and the decode's estimated memory are checked before the model's weights load."""
     import fastddrive
     from fastddrive.data.sample import DrivingDataset, SampleError
-    from fastddrive.decode.registry import parse_options
+    from fastddrive.decode.registry import get_decoder, parse_options
     from fastddrive.inputs import read_history, read_image
     from fastddrive.outputs import finite_json
+    from fastddrive.planner import check_before_loading
 
     with user_errors():
+        get_decoder(decoder)
+        if show_options:
+            _print_options(decoder)
+            return
         options = parse_options(option or [], decoder)
         if data is not None:
             if image or history or command:
@@ -54,7 +67,9 @@ def plan_command(
             )
         from fastddrive.eval.roofline import parse_dtype
 
-        planner = fastddrive.load(model, device=device, dtype=parse_dtype(dtype) if dtype else None)
+        weights = parse_dtype(dtype) if dtype else None
+        options = check_before_loading(model, decoder, options, device, weights, scene)
+        planner = fastddrive.load(model, device=device, dtype=weights)
         if planner.model.is_vision and isinstance(scene, fastddrive.PlanInputs) and not scene.images:
             raise SampleError("this model reads images: give --image")
         result = planner.plan(scene, decoder, **options)
@@ -79,3 +94,14 @@ def plan_command(
     if result.response is None:
         Console(stderr=True).print(f"[bold red]the answer does not parse:[/] {result.error}", highlight=False)
         raise typer.Exit(1)
+
+
+def _print_options(decoder: str) -> None:
+    from fastddrive.decode.options import option_table
+
+    table = Table(title=f"options of {decoder} (--option KEY=VALUE)")
+    for column in ("option", "takes", "default"):
+        table.add_column(column)
+    for key, takes, default in option_table(decoder):
+        table.add_row(key, takes, str(default))
+    console.print(table)

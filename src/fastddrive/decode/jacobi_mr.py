@@ -250,7 +250,9 @@ def jacobi_mr_decode(
         raise ValueError(f"spawn_ratio must be in (0, 1], got {spawn_ratio}")
     if candidates < 0:
         raise ValueError(f"candidates must be >= 0, got {candidates}")
-    room = (max_blocks + candidates + 1) * block_size
+    # A forward holds the answer's blocks (never past its end) and the candidates, each at most a block: the
+    # pool keeps POOL_PER_KEY per key, so more candidates are never fed.
+    room = (min(candidates, POOL_PER_KEY) + 1) * block_size
     answer = Answer.prefill(model, prompt, scaffold, room=room)
     decoder = MultiBlockJacobi(
         answer, Guesser(model, prompt, seed, drafts), block_size, max_blocks, spawn_ratio, candidates

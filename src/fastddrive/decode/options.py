@@ -6,25 +6,34 @@ the text the command line gives (`--option tau=0.5`, `sd:tau=0.0:block_size=16`)
 - a number: a decimal literal (`0.5`, `1`, `1e-3`); not `abc`, `nan` or `inf`; never a bool;
 - an integer: an integer literal (`16`, `-1`); not `8.5` or `abc`; never a bool or a float;
 - a bool: `true/false`, `yes/no` or `1/0` (any case) as text, True or False as a value; not `maybe`;
-- token ids: a JSON list of integers >= 0 (`[1, 2, 3]`), `null` for none;
+- token ids: a JSON list of at most MAX_ANSWER_TOKENS integers in [0, 2^31 - 1] (`[1, 2, 3]`), `null` for
+  none (the model's own vocabulary is checked before decoding, `registry.check_drafts`);
 - a path: non-empty text (the decoder reads the file, and names it when it is missing or damaged).
 
-The ranges are the ones the decoders themselves would refuse later (after the model has loaded and the
-prompt is prefilled); `validate_options` refuses them at once with a `ValueError` naming the decoder, the
-option, what it got and the range it takes, in one line (the registry re-raises it as `DecoderError`).
+Every number has a lower bound (the one the decoder itself would refuse later, after the model has loaded
+and the prompt is prefilled) and an upper bound (issue 32: a value no real use reaches, above which memory or
+time grows without purpose: a block past the longest answer is the whole answer). `validate_options` refuses
+a value outside them at once with a `ValueError` naming the decoder, the option, what it got and the range
+it takes, in one line (the registry re-raises it as `DecoderError`). What is left of memory growth within
+the ranges (rollouts, a quadratic block) is estimated against the memory budget before decoding
+(`decode.footprint`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import numbers
 import os
 import re
+import reprlib
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import numpy as np
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
 from fastddrive.decode.jacobi import DEFAULT_JACOBI_BLOCK
@@ -40,6 +49,21 @@ from fastddrive.scaffold import DEFAULT_BLOCK_SIZE
 TRUE_TEXT = ("true", "yes", "1")
 FALSE_TEXT = ("false", "no", "0")
 MAX_SEED = 2**63 - 1  # torch and numpy both take it, and `tts`'s seed + rollout index stays in torch's range
+# The longest answer of any layout is 421 positions (the release's 192-token explanation; 261 by default): a
+# block, window, reveal count or draft longer than an answer is the whole answer, so 1024 never limits a use.
+MAX_ANSWER_TOKENS = 1024
+# `selfspec-quad` feeds block_size^2 tokens per forward: 128^2 = 16,384, 32 times the roofline's widest forward
+# (512), where every forward is long past compute-bound; the paper's blocks are a few tokens.
+MAX_QUAD_BLOCK_SIZE = 128
+MAX_ROLLOUTS = 256  # `tts` rows of one cache: 64 times the paper's 4 rollouts
+MAX_WIDTH = 64  # `pvf` branches verified in one forward: 16 times the paper's batch of 4
+MAX_BLOCKS = 64  # `jacobi-mr` blocks in flight (the paper's K = 2)
+MAX_CANDIDATES = 64  # `jacobi-mr` recycled n-grams per forward (the paper's 4; its pool keeps 4 per key)
+# A temperature past 100 samples uniformly for any logits a model writes; one below 1e-3 is greedy in effect, and
+# below about 1e-307 logits / temperature overflow to inf and the softmax to NaN (a silently random token).
+MAX_TEMPERATURE = 100.0
+MIN_SAMPLING_TEMPERATURE = 1e-3
+MAX_TOKEN_ID = 2**31 - 1  # past any vocabulary; the model's own size is checked before decoding
 
 _FLOAT_TEXT = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
 _INT_TEXT = re.compile(r"[+-]?\d+")
@@ -59,7 +83,10 @@ def _number(value: Any) -> float:
         value = float(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError("not a number")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer or fraction past the largest float
+        raise ValueError("not a finite number") from None
     if not math.isfinite(value):
         raise ValueError("not a finite number")
     return value
@@ -95,14 +122,18 @@ def _token_ids(value: Any) -> list[int] | None:
             return None
         try:
             value = json.loads(text)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, an integer of more digits than Python reads, too deep
             raise ValueError("not a JSON list") from None
     if value is None:
         return None
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+    if isinstance(value, np.ndarray) and value.ndim != 1:
         raise ValueError("not a list")
-    ids = list(value)
-    if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0 for t in ids):
+    if not isinstance(value, (Sequence, np.ndarray)) or isinstance(value, (str, bytes, bytearray)):
+        raise ValueError("not a list")
+    ids = list(itertools.islice(value, MAX_ANSWER_TOKENS + 1))  # never more than one past the limit
+    if len(ids) > MAX_ANSWER_TOKENS:
+        raise ValueError("too many ids")
+    if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t <= MAX_TOKEN_ID for t in ids):
         raise ValueError("not token ids")
     return [int(t) for t in ids]
 
@@ -111,17 +142,39 @@ def _vocabulary_path(value: Any) -> str | None:
     # Only the form: the decoder reads the file when planning is on, naming it if missing or damaged.
     if value is None:
         return None
-    if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
+    if not isinstance(value, (str, os.PathLike)):
         raise ValueError("not a path")
-    return str(value)
+    text = str(value)
+    if not text.strip() or "\0" in text:  # no file system takes a NUL in a name
+        raise ValueError("not a path")
+    return text
+
+
+def _greedy_or_sampling(value: float) -> float:
+    if 0 < value < MIN_SAMPLING_TEMPERATURE:
+        raise ValueError("too small to sample with")
+    return value
+
+
+@dataclass(frozen=True)
+class Note:
+    """Words added to an option's range where its bounds do not say all (`expected`)."""
+
+    text: str
 
 
 Number = Annotated[float, BeforeValidator(_number)]
 Integer = Annotated[int, BeforeValidator(_integer)]
 Boolean = Annotated[bool, BeforeValidator(_boolean)]
 Unit = Annotated[Number, Field(ge=0.0, le=1.0)]  # a confidence threshold
-Temperature = Annotated[Number, Field(ge=0.0)]  # 0 is greedy
-BlockSize = Annotated[Integer, Field(ge=1)]
+Temperature = Annotated[
+    Number,
+    Field(ge=0.0, le=MAX_TEMPERATURE),
+    AfterValidator(_greedy_or_sampling),
+    Note(f"0 is greedy; a sampling temperature is at least {MIN_SAMPLING_TEMPERATURE:g}"),
+]
+Count = Annotated[Integer, Field(ge=1, le=MAX_ANSWER_TOKENS)]  # positions of an answer: a block, a window
+BlockSize = Count
 Seed = Annotated[Integer, Field(ge=0, le=MAX_SEED)]
 TokenIds = Annotated[list[int] | None, BeforeValidator(_token_ids)]
 VocabularyPath = Annotated[str | None, BeforeValidator(_vocabulary_path)]
@@ -159,13 +212,13 @@ class DiffusionOptions(DecoderOptions):
 class SelfSpeculativeOptions(DecoderOptions):
     """`selfspec`: a sliding window of the last committed token and block_size - 1 drafts."""
 
-    block_size: Annotated[Integer, Field(ge=2)] = DEFAULT_BLOCK_SIZE
+    block_size: Annotated[Integer, Field(ge=2, le=MAX_ANSWER_TOKENS)] = DEFAULT_BLOCK_SIZE
 
 
 class QuadraticOptions(DecoderOptions):
     """`selfspec-quad`: block_size groups of block_size tokens per forward."""
 
-    block_size: Annotated[Integer, Field(ge=2)] = DEFAULT_QUAD_BLOCK_SIZE
+    block_size: Annotated[Integer, Field(ge=2, le=MAX_QUAD_BLOCK_SIZE)] = DEFAULT_QUAD_BLOCK_SIZE
 
 
 class ScaffoldSpeculativeOptions(DecoderOptions):
@@ -179,13 +232,13 @@ class ScaffoldSpeculativeOptions(DecoderOptions):
 class RolloutOptions(DecoderOptions):
     """`tts`: rollout r samples with seed + r."""
 
-    rollouts: Annotated[Integer, Field(ge=1)] = DEFAULT_ROLLOUTS
+    rollouts: Annotated[Integer, Field(ge=1, le=MAX_ROLLOUTS)] = DEFAULT_ROLLOUTS
     temperature: Temperature = DEFAULT_TEMPERATURE
     block_size: BlockSize = DEFAULT_BLOCK_SIZE
     seed: Seed = 0
     fuse_draft: Boolean = True
     rollout_drafts: Boolean = False
-    rollout_window: Annotated[Integer, Field(ge=1)] = DEFAULT_WINDOW
+    rollout_window: Count = DEFAULT_WINDOW
 
 
 class JacobiOptions(DecoderOptions):
@@ -200,9 +253,9 @@ class MultiBlockJacobiOptions(DecoderOptions):
     """`jacobi-mr`."""
 
     block_size: BlockSize = DEFAULT_MR_BLOCK
-    max_blocks: Annotated[Integer, Field(ge=1)] = 2
+    max_blocks: Annotated[Integer, Field(ge=1, le=MAX_BLOCKS)] = 2
     spawn_ratio: Annotated[Number, Field(gt=0.0, le=1.0)] = 0.85
-    candidates: Annotated[Integer, Field(ge=0)] = 4
+    candidates: Annotated[Integer, Field(ge=0, le=MAX_CANDIDATES)] = 4
     seed: Seed = 0
     drafts: TokenIds = None
 
@@ -211,11 +264,11 @@ class PlanVerifyFillOptions(DecoderOptions):
     """`pvf`: the planning band [plan_low, plan_high) must not be empty."""
 
     tau: Unit = DEFAULT_TAU
-    width: Annotated[Integer, Field(ge=1)] = DEFAULT_WIDTH
+    width: Annotated[Integer, Field(ge=1, le=MAX_WIDTH)] = DEFAULT_WIDTH
     plan_low: Unit = DEFAULT_PLAN_BAND[0]
     plan_high: Unit = DEFAULT_PLAN_BAND[1]
     tau_ar: Unit = DEFAULT_TAU_AR
-    reveal: Annotated[Integer, Field(ge=0)] = DEFAULT_REVEAL
+    reveal: Annotated[Integer, Field(ge=0, le=MAX_ANSWER_TOKENS)] = DEFAULT_REVEAL
     planning: Boolean = True
     fallback: Boolean = True
     vocabulary: VocabularyPath = None
@@ -279,21 +332,31 @@ def expected(field: FieldInfo) -> str:
         float: "a number",
         int: "an integer",
         bool: "a boolean (true/false, yes/no, 1/0)",
-        list[int] | None: "a JSON list of token ids >= 0, or null",
+        list[int] | None: f"a JSON list of at most {MAX_ANSWER_TOKENS} token ids in [0, 2^31 - 1], or null",
         str | None: f"the path of a planning vocabulary file, or of a folder holding {VOCABULARY_FILE}",
     }[field.annotation]
     bound = {kind: getattr(m, kind) for m in field.metadata for kind in ("ge", "gt", "le", "lt") if hasattr(m, kind)}
     shown = {kind: "2^63 - 1" if value == MAX_SEED else f"{value:g}" for kind, value in bound.items()}
     low = f"[{shown['ge']}" if "ge" in bound else f"({shown['gt']}" if "gt" in bound else None
     high = f"{shown['le']}]" if "le" in bound else f"{shown['lt']})" if "lt" in bound else None
+    notes = "".join(f" ({m.text})" for m in field.metadata if isinstance(m, Note))
     if low and high:
-        return f"{words} in {low}, {high}"
+        return f"{words} in {low}, {high}{notes}"
     for kind, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
         if kind in bound:
-            return f"{words} {sign} {shown[kind]}"
-    return words
+            return f"{words} {sign} {shown[kind]}{notes}"
+    return words + notes
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
 
 
 def _shown(value: object, limit: int = 60) -> str:
-    text = repr(value)
+    """A short repr of what was given: a long list, text or number is cut (never written out whole), and a value
+    whose repr fails is named by its type."""
+    try:
+        text = " ".join(_REPR.repr(value).split())  # one line, whatever the repr (an array's has several)
+    except Exception:  # noqa: BLE001 - any object may come through the API; its repr is only for the message
+        text = f"a value of type {type(value).__name__}"
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fastddrive.outputs import finite_json, write_text
+
 VOCABULARY_FILE = "pvf_vocabulary.json"
 VOCABULARY_FORMAT = "fastddrive-pvf-vocabulary"
 
@@ -61,11 +63,12 @@ def vocabulary_path(folder: str | Path) -> Path:
 
 
 def write_vocabulary(vocabulary: PlanningVocabulary, path: str | Path) -> Path:
-    """Write `vocabulary` as JSON to `path` (a file, or a folder to put `VOCABULARY_FILE` in)."""
+    """Write `vocabulary` as JSON to `path` (a file, or a folder to put `VOCABULARY_FILE` in), atomically: a
+    model's vocabulary is whole or as it was."""
     path = Path(path)
     if path.is_dir():
         path = vocabulary_path(path)
-    path.write_text(json.dumps(vocabulary.to_json(), indent=2, ensure_ascii=False) + "\n")
+    write_text(path, finite_json(vocabulary.to_json(), indent=2, ensure_ascii=False) + "\n")
     return path
 
 

@@ -8,6 +8,9 @@ Options are declared with their types and ranges in `decode.options`; `check_opt
 calls before touching the model) refuses unknown options and bad values with one `DecoderError` line.
 The command line's text (`--option tau=0.5`, `sd:tau=0.0:block_size=16`) is parsed by the same check,
 strictly; `parse_options(pairs, decoder)` and `parse_decoder_spec` do it before any model is loaded.
+With the model at hand, and still before its first forward, `decode` also checks the token ids of `drafts`
+against the model's vocabulary and the answer's length (`check_drafts`), and the decode's estimated memory
+against the budget (`decode.footprint`).
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from functools import cache
 from transformers import PreTrainedTokenizerBase
 
 from fastddrive.decode.ar import ar_decode, ar_jump_decode
+from fastddrive.decode.footprint import ModelSizes, check_decode_memory
 from fastddrive.decode.fullseq import full_sequence_decode
-from fastddrive.decode.jacobi import jacobi_decode
+from fastddrive.decode.jacobi import FREE_SLACK, jacobi_decode
 from fastddrive.decode.jacobi_mr import jacobi_mr_decode
 from fastddrive.decode.mdm import mdm_decode, section_diffusion_decode
 from fastddrive.decode.meter import ForwardMeter, synchronize
@@ -108,6 +112,37 @@ def check_options(name: str, options: dict[str, object]) -> dict[str, object]:
         raise DecoderError(str(err)) from None
 
 
+def check_drafts(name: str, options: dict[str, object], vocab_size: int, answer_length: int, kind: str) -> None:
+    """DecoderError (one line: the option, the first bad id and the vocabulary size, or the length) when the
+    `drafts` of decoder `name` hold an id outside a vocabulary of `vocab_size` tokens, or do not fit an answer
+    of `answer_length` positions: `ss` drafts one id per position; `jacobi` and `jacobi-mr` start from at most
+    the answer's positions (an AR model writing freely may take FREE_SLACK more), the rest from their own
+    guesses. A model would index its embedding with them: checked before the first forward."""
+    drafts = options.get("drafts")
+    if drafts is None:
+        return
+    bad = next((t for t in drafts if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise DecoderError(
+            f"decoder {name!r} option drafts: token id {bad} is outside the model's vocabulary of {vocab_size}"
+            f" tokens (ids 0..{vocab_size - 1})"
+        )
+    if name == "ss" and len(drafts) != answer_length:
+        raise DecoderError(
+            f"decoder 'ss' option drafts: got {len(drafts)} ids, expected one per answer position ({answer_length})"
+        )
+    longest = answer_length + (FREE_SLACK if kind == "autoregressive" else 0)
+    if len(drafts) > longest:
+        raise DecoderError(
+            f"decoder {name!r} option drafts: got {len(drafts)} ids, more than the answer's {longest} positions"
+        )
+
+
+def vocabulary_size(model: BlockDiffusionModel) -> int:
+    """How many token ids the model reads: the rows of its input embedding."""
+    return model.text_model.embed_tokens.weight.shape[0]
+
+
 def parse_options(pairs: list[str], decoder: str | None = None) -> dict[str, object]:
     """['tau=0.5', 'fuse_draft=false'] -> {'tau': '0.5', 'fuse_draft': 'false'}: the text of each KEY=VALUE,
     which `check_options` (and so `decode`) converts by the option's declared type.
@@ -159,7 +194,18 @@ def decode(
     """Run decoder `name` on one prompt and measure it."""
     fn = get_decoder(name)
     options = check_options(name, options)
-    check_runs_on(model.info.kind, name)
+    kind = model.info.kind
+    check_runs_on(kind, name)
+    check_drafts(name, options, vocabulary_size(model), len(scaffold), kind)
+    check_decode_memory(
+        name,
+        options,
+        ModelSizes.of_model(model),
+        prompt.input_ids.shape[1],
+        len(scaffold),
+        model.device,
+        free=kind == "autoregressive",
+    )
     meter = ForwardMeter()
     began = time.perf_counter()
     with meter.watch(model):

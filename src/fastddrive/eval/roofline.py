@@ -5,10 +5,16 @@ k is, so at small k its latency is bounded below by weight bytes / memory bandwi
 extra tokens are nearly free until compute takes over. That flat stretch is the budget a block
 decoder spends on drafting several tokens per forward. Bandwidth is measured here with a
 device-to-device copy, not taken from a data sheet.
+
+The settings are bounded (issue 32: `--tokens 100000000` allocated 26 GB): at most MAX_SWEEP_TOKENS new
+tokens per forward, MAX_REPEATS timed and MAX_WARMUP untimed forwards per count; and what a sweep holds
+(the copy's buffers, the cache, the widest forward's logits and activations) is estimated from the model's
+config and checked against the memory budget before the model loads (`check_sweep_memory`).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -16,12 +22,22 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from fastddrive.decode.footprint import ModelSizes, Workload, workload_bytes
+from fastddrive.memory import check_allocation
 from fastddrive.model import BlockDiffusionModel, PromptInputs
 from fastddrive.model_files import load_model, model_path
 from fastddrive.prompt import chat_text
-from fastddrive.random_init import random_init_model
+from fastddrive.random_init import architecture_config, random_init_model
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 33, 64, 128, 256, 512)
+# 16 times the default sweep's widest forward: past a few hundred tokens a forward is compute-bound on any
+# device, and the roofline's point (the flat stretch under the floor) is made long before.
+MAX_SWEEP_TOKENS = 8192
+MAX_COUNTS = 64  # token counts in one sweep
+MAX_REPEATS = 10_000  # a median of a few hundred forwards is settled
+MAX_WARMUP = 1_000  # compilation and graph capture take a few forwards
+CPU_COPY_BYTES = 256 * 1024**2
+CUDA_COPY_BYTES = 2 * 1024**3
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 IMAGE_SHAPE = (224, 448, 3)  # one camera frame at the dataset's resolution
 
@@ -37,14 +53,45 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def parse_tokens(text: str) -> list[int]:
-    """'1,8,33' -> [1, 8, 33]; every count a positive integer."""
-    try:
-        counts = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise RooflineError(f"--tokens must be comma-separated positive integers, got {text!r}") from None
-    if not counts or min(counts) < 1:
-        raise RooflineError(f"--tokens must be comma-separated positive integers, got {text!r}")
+    """'1,8,33' -> [1, 8, 33]: up to MAX_COUNTS distinct integers in [1, MAX_SWEEP_TOKENS]."""
+    shown = text if len(text) <= 60 else text[:57] + "..."
+    takes = f"up to {MAX_COUNTS} distinct comma-separated integers in [1, {MAX_SWEEP_TOKENS}]"
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts or len(parts) > MAX_COUNTS or not all(part.isascii() and part.isdigit() for part in parts):
+        raise RooflineError(f"--tokens must be {takes}, got {shown!r}")
+    counts = [int(part) if len(part) <= 9 else MAX_SWEEP_TOKENS + 1 for part in parts]  # no 4000-digit ints
+    twice = sorted({k for k in counts if counts.count(k) > 1})
+    if min(counts) < 1 or max(counts) > MAX_SWEEP_TOKENS or twice:
+        raise RooflineError(f"--tokens must be {takes}, got {shown!r}")
     return counts
+
+
+def check_sweep(tokens: Sequence[int], repeats: int, warmup: int) -> None:
+    """RooflineError (one line) unless the counts are as `parse_tokens` gives them, repeats in [1, MAX_REPEATS]
+    and warmup in [0, MAX_WARMUP]."""
+    parse_tokens(",".join(str(k) for k in tokens))
+    if not 1 <= repeats <= MAX_REPEATS:
+        raise RooflineError(f"--repeats must be an integer in [1, {MAX_REPEATS}], got {repeats}")
+    if not 0 <= warmup <= MAX_WARMUP:
+        raise RooflineError(f"--warmup must be an integer in [0, {MAX_WARMUP}], got {warmup}")
+
+
+def sweep_bytes(sizes: ModelSizes, tokens: Sequence[int], device: str | torch.device, prompt_tokens: int = 0) -> int:
+    """Bytes a sweep holds beyond the weights: the bandwidth copy's two buffers, then (once they are freed) the
+    prompt's cache with room for the widest forward and that forward (`decode.footprint`)."""
+    widest = max(tokens)
+    forward = Workload(1, prompt_tokens + widest, widest, prompt_tokens)
+    copy = 2 * (CUDA_COPY_BYTES if torch.device(device).type == "cuda" else CPU_COPY_BYTES)
+    return max(copy, workload_bytes(sizes, forward, prompt_tokens))
+
+
+def check_sweep_memory(
+    sizes: ModelSizes, tokens: Sequence[int], device: str | torch.device, prompt_tokens: int = 0
+) -> None:
+    """MemoryBudgetError (one line: the widest --tokens, the estimate, the budget) when a sweep would hold more
+    than the budget for `device`."""
+    what = f"the roofline sweep (--tokens up to {max(tokens)})"
+    check_allocation(what, sweep_bytes(sizes, tokens, device, prompt_tokens), device)
 
 
 @dataclass(frozen=True)
@@ -160,7 +207,7 @@ def copy_bandwidth(device: str | torch.device, size_bytes: int | None = None, re
     `device`, counting the bytes read and written. 2 GB on CUDA, 256 MB elsewhere by default: large
     enough that caches do not flatter it."""
     device = torch.device(device)
-    size = size_bytes or (2 * 1024**3 if device.type == "cuda" else 256 * 1024**2)
+    size = size_bytes or (CUDA_COPY_BYTES if device.type == "cuda" else CPU_COPY_BYTES)
     source = torch.ones(size, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
     target.copy_(source)  # first touch: page faults and lazy allocation are not bandwidth
@@ -181,8 +228,11 @@ def measure_roofline(
     warmup: int = 3,
     on_forward: Callable[[], None] | None = None,
 ) -> Roofline:
-    """The sweep on the standard prompt, the model's weight bytes and the device's copy bandwidth."""
+    """The sweep on the standard prompt, the model's weight bytes and the device's copy bandwidth. The settings
+    and the sweep's memory are checked first (RooflineError, MemoryBudgetError)."""
+    check_sweep(tokens, repeats, warmup)
     prompt = sweep_prompt(model)
+    check_sweep_memory(ModelSizes.of_model(model), tokens, model.device, prompt.input_ids.shape[1])
     bandwidth = copy_bandwidth(model.device)
     rows, setup_s = forward_sweep(model, tokens, repeats, warmup, prompt, on_forward)
     return Roofline(
@@ -197,16 +247,26 @@ def measure_roofline(
 
 
 def roofline_model(
-    model: str | None, random_init: str | None, device: str, dtype: str | None, cuda_graphs: bool
+    model: str | None,
+    random_init: str | None,
+    device: str,
+    dtype: str | None,
+    cuda_graphs: bool,
+    tokens: Sequence[int] | None = None,
 ) -> tuple[BlockDiffusionModel, str]:
     """The model to sweep and its name: a model folder (or an embedded name), or an architecture preset with
     random weights (timing only); float32 on the CPU and bfloat16 elsewhere unless `dtype` says; CUDA graphs
-    on a GPU unless `cuda_graphs` is False. Settings are checked before anything loads."""
+    on a GPU unless `cuda_graphs` is False. Settings are checked before anything loads, and with `tokens` the
+    sweep's memory too, from the model's config (`check_sweep_memory`)."""
     if model is not None and random_init is not None:
         raise RooflineError("give --model or --random-init, not both")
     chosen = parse_dtype(dtype or ("float32" if device == "cpu" else "bfloat16"))
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RooflineError(f"--device {device}: CUDA is not available here")
+    if tokens is not None:
+        sizes = _config_sizes(model, random_init, chosen.itemsize)
+        if sizes is not None:
+            check_sweep_memory(sizes, tokens, device)
     if random_init is not None:
         loaded = random_init_model(random_init, device, chosen)
         name = f"{random_init} (random weights, for timing only)"
@@ -217,3 +277,15 @@ def roofline_model(
         loaded.use_static_shapes(graphs=True)
         name += ", CUDA graphs"
     return loaded, name
+
+
+def _config_sizes(model: str | None, random_init: str | None, dtype_bytes: int) -> ModelSizes | None:
+    """The sizes in the preset's or the model folder's config; None when the folder's config cannot be read
+    (the loader then names what is wrong)."""
+    if random_init is not None:
+        return ModelSizes.from_config(architecture_config(random_init).to_dict(), dtype_bytes)
+    try:
+        config = json.loads((model_path(model or "default") / "config.json").read_text())
+        return ModelSizes.from_config(config, dtype_bytes)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
