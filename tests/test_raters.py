@@ -152,7 +152,7 @@ def test_a_shard_written_before_raters_existed_still_reads(plain_and_rated, tmp_
     (tmp_path / "train").mkdir()
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train" / "00000-old.parquet")
     write_shard(tmp_path / "test" / "00001-new.parquet", rated)
-    (tmp_path / MANIFEST).write_text(json.dumps({"format": DATASET_FORMAT}))
+    (tmp_path / MANIFEST).write_text(json.dumps({"format": DATASET_FORMAT, "version": 1}))
     dataset = DrivingDataset.open(tmp_path)
     old = list(dataset.samples("train"))
     assert len(old) == len(plain) and all(len(s.rater_scores) == 0 for s in old)

@@ -332,7 +332,12 @@ def test_outputs_are_not_overwritten_unless_asked(dataset, tmp_path):
     (tmp_path / "release" / "keep.txt").write_text("x")
     with pytest.raises(OutputExists):
         export_wod_e2e(dataset, tmp_path / "release")
+    with pytest.raises(OutputExists, match="keep.txt"):  # --overwrite replaces an earlier export, nothing else
+        export_wod_e2e(dataset, tmp_path / "release", split="test", overwrite=True)
+    assert (tmp_path / "release" / "keep.txt").read_text() == "x"
+    (tmp_path / "release" / "keep.txt").unlink()
     export_wod_e2e(dataset, tmp_path / "release", split="test", overwrite=True)
+    export_wod_e2e(dataset, tmp_path / "release", split="test", overwrite=True)  # an earlier export is replaced
     convert_wod_e2e(tmp_path / "release", tmp_path / "back")
     with pytest.raises(OutputExists):
         convert_wod_e2e(tmp_path / "release", tmp_path / "back")

@@ -6,45 +6,86 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from fastddrive.cli.common import console, data_app, progress_bar, user_errors
+
+MAX_EXPLANATION_BUDGET = 4096  # tokens: the scaffold holds that many positions for the explanation
+
+
+class _Counter:
+    """A progress bar shown from the first thing it counts, so that a refusal before any work is one line."""
+
+    def __init__(self, description: str) -> None:
+        self.progress = progress_bar()
+        self.task = self.progress.add_task(description, total=None, note="")
+        self.shown = False
+
+    def _show(self) -> None:
+        if not self.shown:
+            self.progress.start()
+            self.shown = True
+
+    def total(self, total: int) -> None:
+        self._show()
+        self.progress.update(self.task, total=total)
+
+    def advance(self, note: str = "") -> None:
+        self._show()
+        self.progress.update(self.task, advance=1, note=note)
+
+    def stop(self) -> None:
+        if self.shown:  # a progress bar that never showed prints nothing, not even a line break
+            self.progress.stop()
+            self.shown = False
+
+    def __enter__(self) -> _Counter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 @data_app.command("highway")
 def data_highway(
     out: Annotated[Path, typer.Option(help="Output dataset folder.")],
-    episodes: Annotated[int, typer.Option(min=1, help="Number of episodes (one shard each).")] = 100,
-    seed: Annotated[int, typer.Option(help="Base seed; episode i uses seed * 100000 + i.")] = 0,
+    episodes: Annotated[int, typer.Option(help="Number of episodes (one shard each), 1 to 100000.")] = 100,
+    seed: Annotated[
+        int, typer.Option(help="Base seed, 0 to 92233720368546; episode i uses seed * 100000 + i (a 64-bit seed).")
+    ] = 0,
     scenarios: Annotated[str, typer.Option(help="Comma-separated scenarios.")] = (
         "highway,merge,exit,roundabout,intersection"
     ),
-    workers: Annotated[int, typer.Option(min=1, help="Worker processes.")] = 1,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing dataset in --out.")] = False,
+    workers: Annotated[int, typer.Option(help="Worker processes, 1 to twice the CPUs this process may use.")] = 1,
+    overwrite: Annotated[
+        bool, typer.Option(help="Replace an existing dataset in --out (built beside it, swapped in once complete).")
+    ] = False,
 ) -> None:
     """Simulate seeded highway-env episodes with the IDM/MOBIL expert and write a dataset."""
-    from fastddrive.data.build import EpisodeResult, build_dataset
-    from fastddrive.data.highway import check_scenarios
+    from fastddrive.data.build import WORKER_DIED, EpisodeResult, build_dataset, build_folder
 
-    with user_errors():
-        names = check_scenarios([s.strip() for s in scenarios.split(",") if s.strip()])
-        progress = progress_bar()
-        task = progress.add_task("episodes", total=None, note="")
+    with user_errors(), _Counter("episodes") as counter:
+        names = [s.strip() for s in scenarios.split(",") if s.strip()]
         written = {"samples": 0, "failed": 0}
+        into = build_folder(out, overwrite)
+        where = str(out) if into == out else f"the replacement being built in {into} ({out} is unchanged)"
 
         def on_start(todo: int, done: int) -> None:
             if done:
-                console.print(f"resuming: {done} of {todo + done} episodes already written")
-            progress.update(task, total=todo)
-            progress.start()
+                console.print(f"resuming: {done} of {todo + done} episodes already written in {where}")
+            counter.total(todo)
 
         def on_episode(result: EpisodeResult) -> None:
             written["samples"] += result.samples
             if result.error:
                 written["failed"] += 1
-                last = result.error.strip().splitlines()[-1]
-                progress.console.print(f"[red]episode {result.job.index} ({result.job.scenario}) failed:[/] {last}")
+                last = escape(result.error.strip().splitlines()[-1])
+                counter.progress.console.print(
+                    f"[red]episode {result.job.index} ({result.job.scenario}, {result.job.shard}) failed:[/] {last}",
+                    highlight=False,
+                )
             note = f"{written['samples']} samples" + (f", {written['failed']} failed" if written["failed"] else "")
-            progress.update(task, advance=1, note=note)
+            counter.advance(note)
 
         try:
             report = build_dataset(
@@ -59,17 +100,22 @@ def data_highway(
                 on_problem=lambda problem: console.print(f"rebuilding {problem}", markup=False, highlight=False),
             )
         except KeyboardInterrupt:
-            progress.stop()
-            console.print(f"interrupted: the episodes written so far are kept in {out}; rerun to resume")
+            counter.stop()
+            console.print(f"interrupted: the episodes written so far are kept in {where}; rerun to resume")
             raise typer.Exit(130) from None
-        finally:
-            progress.stop()
     console.print(
-        f"wrote {report.samples} samples from {report.episodes - report.skipped} episodes "
-        f"in {report.seconds:.1f} s ({report.samples_per_second:.2f} samples/s, {workers} worker(s)) to {out}"
+        f"wrote {report.samples} samples from {report.episodes - report.skipped} episodes in {report.seconds:.1f} s "
+        f"({report.samples_per_second:.2f} samples/s, {workers} worker(s)) to {report.staged or out}"
     )
     if report.failed:
-        console.print(f"[red]{len(report.failed)} episode(s) failed; rerun the same command to retry them[/]")
+        died = sum(r.error.startswith(WORKER_DIED) for r in report.failed if r.error)
+        why = f" ({died} in a worker process that died)" if died else ""
+        kept = f"; {out} is unchanged until the replacement in {report.staged} is complete" if report.staged else ""
+        console.print(
+            f"[red]{len(report.failed)} episode(s) failed{why}; the others are written{kept}. The same command "
+            "resumes and simulates only the failed ones again (once their cause is fixed)[/]",
+            highlight=False,
+        )
         raise typer.Exit(1)
 
 
@@ -103,18 +149,15 @@ def data_wod_e2e(
     ],
     out: Annotated[Path, typer.Option(help="Output dataset folder.")],
     image_root: Annotated[Path | None, typer.Option(help="Root of the records' image paths (default: --src).")] = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing dataset in --out.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing dataset in --out (once converted).")] = False,
 ) -> None:
     """Convert WOD-E2E in the Fast-dDrive / dVLM-AD release format into a dataset (unrated val/test frames
     dropped as WOD-E2E requires; a malformed record is reported by file and id, the rest converted)."""
     from fastddrive.data.wod_e2e import convert_wod_e2e
 
-    with user_errors(), progress_bar() as progress:
-        task = progress.add_task("records", total=None, note="")
-        report = convert_wod_e2e(
-            src, out, image_root, overwrite=overwrite, on_item=lambda: progress.update(task, advance=1)
-        )
-    _report_conversion(out, report.samples, report.failures, report.seconds)
+    with user_errors(), _Counter("records") as counter:
+        report = convert_wod_e2e(src, out, image_root, overwrite=overwrite, on_item=counter.advance)
+    _report_conversion(out, report.samples, report.failures, report.seconds, report.kept)
     console.print(
         f"unrated frames dropped: {sum(report.unrated.values())}; answers derived from the future: "
         f"{report.answers_derived}"
@@ -129,24 +172,23 @@ def data_nuscenes(
     out: Annotated[Path, typer.Option(help="Output dataset folder.")],
     version: Annotated[str, typer.Option(help="Table folder: v1.0-mini, v1.0-trainval, v1.0-test, ...")] = "v1.0-mini",
     six_cameras: Annotated[bool, typer.Option(help="Tile the six cameras instead of CAM_FRONT alone.")] = False,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing dataset in --out.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing dataset in --out (once converted).")] = False,
 ) -> None:
     """Convert nuScenes v1.0 tables (and the CAN bus expansion) into a dataset: ego history, the future in
     the UniAD/VAD planning frame, the command by their rule, the other agents' boxes (data/nuscenes.py)."""
     from fastddrive.data.nuscenes import convert_nuscenes
 
-    with user_errors(), progress_bar() as progress:
-        task = progress.add_task("key frames", total=None, note="")
+    with user_errors(), _Counter("key frames") as counter:
         report = convert_nuscenes(
             dataroot,
             version,
             out,
             six_cameras=six_cameras,
             overwrite=overwrite,
-            on_start=lambda total: progress.update(task, total=total),
-            on_item=lambda: progress.update(task, advance=1),
+            on_start=counter.total,
+            on_item=counter.advance,
         )
-    _report_conversion(out, report.samples, report.failures, report.seconds)
+    _report_conversion(out, report.samples, report.failures, report.seconds, report.kept)
     skipped = ", ".join(f"{reason} {n}" for reason, n in report.skipped.items()) or "none"
     velocity = ", ".join(f"{source} {n}" for source, n in report.velocity_rows.items())
     console.print(f"{report.scenes} scenes; key frames skipped: {skipped}; history velocity rows from {velocity}")
@@ -154,11 +196,18 @@ def data_nuscenes(
         raise typer.Exit(1)
 
 
-def _report_conversion(out: Path, samples: dict[str, int], failures: list, seconds: float) -> None:
+def _report_conversion(out: Path, samples: dict[str, int], failures: list, seconds: float, kept: bool) -> None:
     counts = ", ".join(f"{split} {n}" for split, n in samples.items())
-    console.print(f"wrote {sum(samples.values())} samples ({counts}) in {seconds:.1f} s to {out}")
+    verb = "converted" if kept else "wrote"
+    console.print(f"{verb} {sum(samples.values())} samples ({counts}) in {seconds:.1f} s{'' if kept else f' to {out}'}")
     for failure in failures:
         console.print(f"[red]failed:[/] {failure}", highlight=False, soft_wrap=True)
+    if kept:
+        console.print(
+            f"[red]{len(failures)} failure(s): {out} still holds the complete dataset it held (a conversion with "
+            "failures does not replace one); fix the source, or convert into another --out to keep this one[/]",
+            highlight=False,
+        )
 
 
 @data_app.command("export")
@@ -167,7 +216,9 @@ def data_export(
     out: Annotated[Path, typer.Option(help="Output folder.")],
     format: Annotated[str, typer.Option("--format", help="wod-e2e or nuscenes.")],
     split: Annotated[str | None, typer.Option(help="One split (default: all).")] = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace what is in --out.")] = False,
+    overwrite: Annotated[
+        bool, typer.Option(help="Replace an earlier export in --out (swapped in once the new one is whole).")
+    ] = False,
 ) -> None:
     """Write a dataset in a real data set's layout (the adapters read it back; users point tools at it):
     nuScenes v1.0 tables, frames and CAN bus messages, or WOD-E2E release JSON and frames."""
@@ -178,15 +229,11 @@ def data_export(
             raise DatasetError(f"unknown --format {format!r}; known: wod-e2e, nuscenes")
         if split is not None and split not in SPLITS:
             raise DatasetError(f"unknown --split {split!r}; known: {', '.join(SPLITS)}")
-        if format == "nuscenes" and overwrite:
-            raise DatasetError("a nuScenes export needs an empty --out; --overwrite is not supported for it")
-        with progress_bar() as progress:
-            task = progress.add_task("samples", total=None, note="")
-            advance = lambda: progress.update(task, advance=1)  # noqa: E731
+        with _Counter("samples") as counter:
             if format == "wod-e2e":
                 from fastddrive.data.wod_e2e import export_wod_e2e
 
-                report = export_wod_e2e(data, out, split, overwrite=overwrite, on_item=advance)
+                report = export_wod_e2e(data, out, split, overwrite=overwrite, on_item=counter.advance)
             else:
                 from fastddrive.data.nuscenes import export_nuscenes
 
@@ -194,8 +241,9 @@ def data_export(
                     data,
                     out,
                     splits=SPLITS if split is None else (split,),
-                    on_start=lambda total: progress.update(task, total=total),
-                    on_item=advance,
+                    overwrite=overwrite,
+                    on_start=counter.total,
+                    on_item=counter.advance,
                 )
             written, seconds = report.samples, report.seconds
     counts = ", ".join(f"{name} {n}" for name, n in written.items())
@@ -206,7 +254,7 @@ def data_export(
 def data_show(
     path: Annotated[Path, typer.Argument(help="Dataset folder.")],
     split: Annotated[str, typer.Option(help="train, val or test.")] = "test",
-    index: Annotated[int, typer.Option(help="Sample index within the split.")] = 0,
+    index: Annotated[int, typer.Option(help="Sample index within the split, 0 to its sample count - 1.")] = 0,
     png: Annotated[Path | None, typer.Option(help="Write the frame with history and future here.")] = None,
 ) -> None:
     """Print one sample's target JSON; optionally draw it."""
@@ -231,20 +279,32 @@ def data_show(
 def data_stats(
     path: Annotated[Path, typer.Argument(help="Dataset folder.")],
     tokenizer: Annotated[Path | None, typer.Option(help="Tokenizer folder (default: the embedded one).")] = None,
-    explanation_budget: Annotated[int | None, typer.Option(help="Explanation token budget.")] = None,
+    explanation_budget: Annotated[
+        int | None, typer.Option(help=f"Explanation token budget, 1 to {MAX_EXPLANATION_BUDGET} (default 32).")
+    ] = None,
     scaffold_tokenization: Annotated[
         str, typer.Option(help="pieces (each scaffold piece alone, the embedded models') or runs (maximal runs).")
     ] = "pieces",
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the figures as JSON.")] = None,
 ) -> None:
-    """Counts per scenario, meta-behaviour distribution, explanation truncations, the scaffold table."""
+    """Counts per scenario, meta-behaviour distribution, explanation truncations, the scaffold table; an
+    incomplete data set is said to be so (its figures cover what is written)."""
+    from fastddrive.data.build import DataSettingsError
     from fastddrive.data.sample import DrivingDataset
     from fastddrive.data.stats import dataset_stats
     from fastddrive.outputs import check_file_destination, write_json
-    from fastddrive.scaffold import DEFAULT_EXPLANATION_BUDGET, Scaffold
+    from fastddrive.scaffold import DEFAULT_EXPLANATION_BUDGET, SCAFFOLD_TOKENIZATIONS, Scaffold
     from fastddrive.tokenizer import default_tokenizer_path, load_tokenizer
 
     with user_errors():
+        if explanation_budget is not None and not 1 <= explanation_budget <= MAX_EXPLANATION_BUDGET:
+            raise DataSettingsError(
+                f"--explanation-budget {explanation_budget} is out of range: give 1 to {MAX_EXPLANATION_BUDGET} tokens"
+            )
+        if scaffold_tokenization not in SCAFFOLD_TOKENIZATIONS:
+            raise DataSettingsError(
+                f"unknown --scaffold-tokenization {scaffold_tokenization!r}; known: {', '.join(SCAFFOLD_TOKENIZATIONS)}"
+            )
         if json_out is not None:
             check_file_destination(json_out, "--json", suffixes=(".json",), inputs=(path, tokenizer))
         dataset = DrivingDataset.open(path)
@@ -255,7 +315,8 @@ def data_stats(
         )
         stats = dataset_stats(dataset, scaffold)
     if not stats.samples:
-        console.print(f"{path} holds no samples")
+        unfinished = f" (incomplete data set: {stats.unfinished})" if stats.unfinished else ""
+        console.print(f"{path} holds no samples{unfinished}", markup=False, highlight=False)
         raise typer.Exit(1)
     for renderable in stats.renderables():
         console.print(renderable)

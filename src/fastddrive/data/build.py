@@ -6,46 +6,93 @@ reason (rewritten atomically), so an interrupted run loses nothing it finished: 
 settings keeps every shard that matches its record and simulates the rest again, which also rebuilds
 missing or damaged shards of a complete dataset (episodes are seeded, so byte for byte the same). Splits
 are by episode (no scene in two splits). A failed episode is reported and the others still complete; the
-dataset is marked complete only when none failed.
+dataset is marked complete only when none failed. A worker process that dies (killed, as the kernel's
+out-of-memory killer does) fails the episode it held, named with how the process ended; a new worker takes
+the remaining episodes.
 Val and test episodes also get the simulated raters (data/raters.py) that the WOD-E2E rater feedback
 score needs; training episodes do not (nothing trains on them, and they cost several times the episode).
+
+Settings are range-checked before anything is simulated (`check_build_settings`): episode i is seeded with
+`seed * 100000 + i`, stored as a 64-bit integer, so seeds run 0..MAX_SEED and episodes 1..100000; workers run
+1..twice the CPUs this process may use (more only wait for a CPU), and each worker's memory counts against the
+memory budget (memory.py).
+
+Outputs never destroy inputs (issue 32): `--out` is checked before any work (outputs.check_folder_destination),
+and `overwrite` never deletes the data set in `--out` first. The simulator build makes the replacement in
+`.<out>.overwrite.tmp-build` beside it and swaps it in once it is complete; until then `--out` is untouched.
+A replacement that is interrupted, or has failed episodes, stays there, and the same command resumes it
+exactly as it resumes `--out` itself (settings changed since: it starts over). The converters and exports
+(wod_e2e.py, nuscenes.py) build into a fresh folder beside `--out` (`staged_build`) that takes its place when
+the work ends; interrupted, it is removed (or, after a kill, removed by the next run) and `--out` is as it was.
+A conversion with failed records does not replace a complete data set (it would lose samples): it is dropped
+and the old one kept.
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import re
 import shutil
+import signal
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from contextlib import suppress
+from dataclasses import dataclass, field, replace
 from importlib.metadata import version
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
+from typing import Any, TypeVar
 
 from fastddrive.data.sample import (
     DATASET_FORMAT,
     MANIFEST,
     SHARDS,
     SPLITS,
+    DatasetError,
+    ManifestError,
     ShardCheck,
     check_shard,
+    read_manifest,
     shard_record,
+    shards_on_disk,
     write_shard,
 )
-from fastddrive.outputs import write_bytes
+from fastddrive.memory import check_allocation
+from fastddrive.outputs import (
+    TEMPORARY_MARK,
+    check_folder_destination,
+    is_temporary,
+    replace_folder,
+    staged_folder,
+    write_bytes,
+)
 
 # Over every 10 rounds of scenarios: 8 to train, 1 to val, 1 to test; test comes early so that
 # small datasets have one.
 SPLIT_CYCLE = ("train", "test", "train", "val", "train", "train", "train", "train", "train", "train")
 SEED_STRIDE = 100_000
+MAX_EPISODES = SEED_STRIDE  # episode i of seed s is seeded s * SEED_STRIDE + i: more would reuse the next seed's
+MAX_SEED = (2**63 - 1) // SEED_STRIDE - 1  # every episode seed fits the int64 `episode_seed` column
 MANIFEST_VERSION = 2  # 2: the manifest records every shard (SHARDS); 1: it did not
 RATER_SPLITS = ("val", "test")  # the splits that are scored with the rater feedback score
+SOURCE = "highway-env"
+WORKERS_PER_CPU = 2
+# What one worker process may hold: the simulator, its rater copies, a shard being written (about 200 MB
+# measured on a highway episode with raters; twice that for the larger scenes).
+WORKER_BYTES = 512 << 20
+WORKER_DIED = "its worker process died"
 
 
 class OutputExists(FileExistsError):
     """The output folder already holds something that generating would overwrite."""
+
+
+class DataSettingsError(DatasetError):
+    """A setting of a data command outside its range; the message (one line) names it and the range."""
 
 
 @dataclass(frozen=True)
@@ -76,10 +123,66 @@ class BuildReport:
     failed: list[EpisodeResult]
     seconds: float
     repaired: list[str] = field(default_factory=list)  # "shard problem" of each shard found bad and redone
+    complete: bool = False  # every planned episode is written: the dataset is marked complete
+    staged: Path | None = None  # an unfinished replacement (overwrite) waiting beside --out; None once swapped in
 
     @property
     def samples_per_second(self) -> float:
         return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def max_workers() -> int:
+    """The most worker processes a build takes: twice the usable CPUs (each simulates on one CPU)."""
+    return WORKERS_PER_CPU * usable_cpus()
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_build_settings(episodes: int, seed: int, workers: int = 1) -> None:
+    """DataSettingsError (one line), before anything is simulated, for a setting outside its range."""
+    if not _whole(episodes) or not 1 <= episodes <= MAX_EPISODES:
+        raise DataSettingsError(
+            f"--episodes {episodes} is out of range: give 1 to {MAX_EPISODES} (episodes of one seed are seeded "
+            f"seed * {SEED_STRIDE} + i)"
+        )
+    if not _whole(seed) or not 0 <= seed <= MAX_SEED:
+        raise DataSettingsError(
+            f"--seed {seed} is out of range: give 0 to {MAX_SEED} (episode i is seeded seed * {SEED_STRIDE} + i, "
+            "a non-negative 64-bit integer)"
+        )
+    limit = max_workers()
+    if not _whole(workers) or not 1 <= workers <= limit:
+        raise DataSettingsError(
+            f"--workers {workers} is out of range: give 1 to {limit} ({WORKERS_PER_CPU} per usable CPU; "
+            f"this process may use {usable_cpus()})"
+        )
+    if workers > 1:
+        check_allocation(f"--workers {workers}", workers * WORKER_BYTES)
+
+
+def settings_problem(settings: dict[str, Any]) -> str | None:
+    """What makes a manifest's settings unusable, naming the key (the simulator's settings plan its shards);
+    None when they are sound."""
+    source = settings.get("source")
+    if source is not None and not isinstance(source, str):
+        return "'settings.source' is not a string"
+    if source != SOURCE:
+        return None
+    episodes, seed, scenarios = settings.get("episodes"), settings.get("seed"), settings.get("scenarios")
+    if not _whole(episodes) or not 1 <= episodes <= MAX_EPISODES:
+        return f"'settings.episodes' is {episodes!r:.40}, not 1 to {MAX_EPISODES}"
+    if not _whole(seed) or not 0 <= seed <= MAX_SEED:
+        return f"'settings.seed' is {seed!r:.40}, not 0 to {MAX_SEED}"
+    if not isinstance(scenarios, list) or not scenarios or not all(isinstance(s, str) and s for s in scenarios):
+        return "'settings.scenarios' is not a list of scenario names"
+    return None
 
 
 def plan_episodes(
@@ -89,10 +192,7 @@ def plan_episodes(
 
     Episodes in `rater_splits` (val and test by default) get the simulated raters; training ones do not.
     """
-    if episodes < 1:
-        raise ValueError(f"episodes must be >= 1, got {episodes}")
-    if episodes > SEED_STRIDE:
-        raise ValueError(f"at most {SEED_STRIDE} episodes per seed")
+    check_build_settings(episodes, seed)
     jobs = []
     for i in range(episodes):
         scenario = scenarios[i % len(scenarios)]
@@ -105,12 +205,9 @@ def plan_episodes(
 
 def planned_shards(settings: dict[str, object]) -> list[str] | None:
     """The shards (relative paths) that a simulator dataset's manifest settings plan; None for another source."""
-    if settings.get("source") != "highway-env":
+    if settings.get("source") != SOURCE or settings_problem(settings) is not None:
         return None
-    try:
-        jobs = plan_episodes(int(settings["episodes"]), int(settings["seed"]), list(settings["scenarios"]))
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
-        return None
+    jobs = plan_episodes(int(settings["episodes"]), int(settings["seed"]), list(settings["scenarios"]))
     return [job.shard for job in jobs]
 
 
@@ -123,7 +220,7 @@ def _settings(episodes: int, seed: int, scenarios: list[str], rater_splits: tupl
     from fastddrive.data.raters import DRIVERS, RULE_VERSION
 
     return {
-        "source": "highway-env",
+        "source": SOURCE,
         "highway_env_version": version("highway-env"),
         "episodes": episodes,
         "seed": seed,
@@ -139,35 +236,49 @@ def _settings(episodes: int, seed: int, scenarios: list[str], rater_splits: tupl
     }
 
 
+def _layout_problem(out: Path) -> str | None:
+    """Why `out` (an existing, non-empty folder) is not a data set that may be replaced: it must hold only its
+    manifest, split folders and temporary leftovers, and a manifest (if readable) of the data set format."""
+    if not (out / MANIFEST).is_file():
+        return f"{out} is not empty and is not a fastddrive dataset"
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in (MANIFEST, *SPLITS) and not is_temporary(p))
+    if foreign:
+        listed = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        return f"{out} holds {listed}, which no fastddrive dataset holds"
+    try:
+        read_manifest(out / MANIFEST)
+    except ManifestError:
+        return None  # a damaged data set: replacing it is what --overwrite is for
+    except DatasetError as err:  # another format's manifest, or a newer one
+        return str(err)
+    return None
+
+
 def prepare_output(
     out: Path, settings: dict[str, object], overwrite: bool, refuse_complete: bool = True
 ) -> dict[str, object]:
-    """Check (or with `overwrite` clear) the output folder; returns the manifest of the dataset it holds with
-    the same settings ({} for none). A complete one is refused unless `refuse_complete` is False."""
-    manifest_path = out / MANIFEST
+    """Check the output folder before any work; nothing is deleted. Returns the manifest of the dataset it holds
+    with the same settings ({} for none, and with `overwrite`, whose replacement the caller builds beside it).
+
+    Refused: a file; a folder that holds anything but a data set; without `overwrite`, a data set with other
+    settings or a damaged one, and (unless `refuse_complete` is False) a complete one."""
     if out.exists() and not out.is_dir():
         raise OutputExists(f"{out} exists and is not a directory")
-    if overwrite:
-        if out.exists() and any(out.iterdir()) and not manifest_path.is_file():
-            raise OutputExists(f"{out} is not empty and is not a fastddrive dataset; refusing to delete it")
-        if manifest_path.is_file():
-            for split in SPLITS:
-                shutil.rmtree(out / split, ignore_errors=True)
-            manifest_path.unlink()
-        return {}
     if not out.exists() or not any(out.iterdir()):
         return {}
-    if not manifest_path.is_file():
-        raise OutputExists(f"{out} is not empty and is not a fastddrive dataset; choose another --out")
+    problem = _layout_problem(out)
+    if problem is not None:
+        then = "refusing to delete it" if overwrite else "choose another --out"
+        raise OutputExists(f"{problem}; {then}")
+    if overwrite:
+        return {}
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as err:
+        manifest = read_manifest(out / MANIFEST)
+    except ManifestError as err:
         raise OutputExists(
-            f"{manifest_path} is not valid JSON ({err.msg}); pass --overwrite to replace the dataset"
+            f"{out} holds a damaged dataset ({err.problem}); pass --overwrite to replace it or choose another --out"
         ) from None
-    if not isinstance(manifest, dict) or manifest.get("format") != DATASET_FORMAT:
-        raise OutputExists(f"{out} is not a fastddrive dataset; choose another --out")
-    existing = manifest.get("settings", {})
+    existing = manifest["settings"]
     if existing != settings:
         differ = ", ".join(
             f"{k} {existing.get(k)!r} there, {v!r} now" for k, v in settings.items() if existing.get(k) != v
@@ -176,7 +287,7 @@ def prepare_output(
             f"{out} holds a dataset made with other settings ({differ}); "
             "pass --overwrite to replace it or choose another --out"
         )
-    if refuse_complete and manifest.get("complete"):
+    if refuse_complete and manifest["complete"]:
         raise OutputExists(_COMPLETE.format(out=out))
     return manifest
 
@@ -184,16 +295,71 @@ def prepare_output(
 _COMPLETE = "{out} already holds this complete dataset; pass --overwrite to regenerate it"
 
 
+def holds_complete_dataset(out: Path) -> bool:
+    """Whether `out` holds a data set whose manifest reads and marks it complete."""
+    try:
+        return bool(read_manifest(out / MANIFEST)["complete"])
+    except DatasetError:
+        return False
+
+
+_WRITER_PID = re.compile(re.escape(TEMPORARY_MARK) + r"(\d+)-")
+
+
+def _writer_gone(path: Path) -> bool:
+    """Whether the process that made the temporary file or folder `path` (its pid is in the name) has ended."""
+    found = _WRITER_PID.search(path.name)
+    if found is None:
+        return False
+    try:
+        os.kill(int(found.group(1)), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, OverflowError):  # alive under another user, or no pid this system has
+        pass
+    return False
+
+
+def remove_leftovers(folder: Path, prefix: str = ".") -> None:
+    """Remove what killed writers left in `folder`: the temporary files and folders (names starting with `prefix`)
+    whose process has ended. Readers ignore them; this gives the space back."""
+    with suppress(OSError):
+        for path in folder.iterdir():
+            if path.name.startswith(prefix) and is_temporary(path) and _writer_gone(path):
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+
+
+Built = TypeVar("Built")
+
+
+class _Dropped(Exception):
+    """The staged folder is not to replace `out`."""
+
+
+def staged_build(out: Path, make: Callable[[Path], Built], replaces: Callable[[Built], bool]) -> tuple[Built, bool]:
+    """`make(folder)` in a fresh folder beside `out` (outputs.staged_folder) that then takes `out`'s place, unless
+    `replaces(result)` is False: then it is dropped and `out` kept. Returns the result and whether it replaced
+    `out`. An error or an interrupt drops it too; a kill leaves it, for the next staged build of `out` to remove."""
+    remove_leftovers(out.parent, prefix=f".{out.stem}.")
+    try:
+        with staged_folder(out) as folder:
+            result = make(folder)
+            if not replaces(result):
+                raise _Dropped
+    except _Dropped:
+        return result, False
+    return result, True
+
+
 def record_shards(out: Path) -> dict[str, dict[str, object]]:
     """Records (sample.shard_record) of the readable shards now in `out`'s split folders, for converters that
     write their shards first and the manifest after."""
     records = {}
     for split in SPLITS:
-        for path in sorted((out / split).glob("*.parquet")):
-            shard = f"{split}/{path.name}"
+        for shard in shards_on_disk(out, split):
             check: ShardCheck = check_shard(out, shard, None)
             if check.ok and check.samples is not None:
-                records[shard] = shard_record(path.read_bytes(), check.samples)
+                records[shard] = shard_record((out / shard).read_bytes(), check.samples)
     return records
 
 
@@ -278,6 +444,22 @@ def _kept_episodes(
     return records, ends, todo, problems
 
 
+EpisodeRunner = Callable[[str, EpisodeJob], EpisodeResult]
+
+
+def overwrite_staging(out: Path) -> Path:
+    """Where `build_dataset(..., overwrite=True)` builds the replacement of the data set in `out`: a fixed name
+    beside it, so that an interrupted replacement is resumed."""
+    return out.with_name(f".{out.name}.overwrite{TEMPORARY_MARK}build")
+
+
+def build_folder(out: Path, overwrite: bool) -> Path:
+    """Where `build_dataset` writes: `out`, or with `overwrite` its `overwrite_staging` when there is something
+    to replace in `out` or a replacement to resume."""
+    replacing = out.is_dir() and any(out.iterdir()) or overwrite_staging(out).is_dir()
+    return overwrite_staging(out) if overwrite and replacing else out
+
+
 def build_dataset(
     out: str | Path,
     episodes: int,
@@ -289,33 +471,70 @@ def build_dataset(
     on_episode: Callable[[EpisodeResult], None] | None = None,
     rater_splits: tuple[str, ...] = RATER_SPLITS,
     on_problem: Callable[[str], None] | None = None,
+    episode: EpisodeRunner | None = None,
 ) -> BuildReport:
     """Generate (or resume, or repair) a dataset in `out`. `on_start(todo, done)` and `on_episode` report
     progress; `on_problem("shard problem")` names, before any work, each shard found missing or damaged
     that will be rebuilt (also in the report's `repaired`).
 
     The samples of `rater_splits` (val and test) carry simulated raters; the manifest's settings say so.
+    Settings and `out` are checked before anything is simulated. With `overwrite`, a data set in `out` is
+    replaced only once its replacement is complete (module docstring; the report's `staged` says where an
+    unfinished one waits). `episode(root, job)` simulates and writes one episode (default `run_episode`); worker
+    processes import it by name.
     """
     from fastddrive.data.highway import check_scenarios
 
     check_scenarios(scenarios)
+    check_build_settings(episodes, seed, workers)
     out = Path(out)
+    check_folder_destination(out, "--out", owned=(out,))
     unknown = [s for s in rater_splits if s not in SPLITS]
     if unknown:
         raise ValueError(f"unknown split {unknown[0]!r} for raters; known: {', '.join(SPLITS)}")
     jobs = plan_episodes(episodes, seed, scenarios, rater_splits)
     settings = _settings(episodes, seed, scenarios, rater_splits)
     manifest = prepare_output(out, settings, overwrite, refuse_complete=False)
+    run = episode or run_episode
+    staging = build_folder(out, overwrite)
+    if staging == out:  # nothing to replace: build (or resume) in place
+        return _build_into(out, jobs, settings, manifest, workers, run, on_start, on_episode, on_problem)
+    try:
+        manifest = prepare_output(staging, settings, overwrite=False, refuse_complete=False)
+    except OutputExists:  # left by an overwrite with other settings: start over
+        shutil.rmtree(staging)
+        manifest = {}
+    report = _build_into(staging, jobs, settings, manifest, workers, run, on_start, on_episode, on_problem)
+    if not report.complete:
+        return replace(report, staged=staging)
+    replace_folder(staging, out)
+    remove_leftovers(out.parent, prefix=f".{out.stem}.")  # a data set replaced by a run killed mid-swap
+    return report
+
+
+def _build_into(
+    out: Path,
+    jobs: list[EpisodeJob],
+    settings: dict[str, object],
+    manifest: dict[str, object],
+    workers: int,
+    run: EpisodeRunner,
+    on_start: Callable[[int, int], None] | None,
+    on_episode: Callable[[EpisodeResult], None] | None,
+    on_problem: Callable[[str], None] | None,
+) -> BuildReport:
+    """Resume the build of `jobs` in `out`, whose checked `manifest` is given ({} for none)."""
+    for split in SPLITS:
+        remove_leftovers(out / split)
     planned = {job.shard for job in jobs}
-    on_disk = [f"{split}/{p.name}" for split in SPLITS for p in (out / split).glob("*.parquet")]
-    stray = sorted(shard for shard in on_disk if shard not in planned)
+    stray = sorted(shard for split in SPLITS for shard in shards_on_disk(out, split) if shard not in planned)
     if stray:
         raise OutputExists(
             f"{out} holds shard(s) this dataset does not plan ({', '.join(stray[:3])}"
             f"{', ...' if len(stray) > 3 else ''}); remove them or pass --overwrite"
         )
     records, ends, todo, problems = _kept_episodes(out, jobs, manifest)
-    if manifest.get("complete") and not todo:
+    if manifest.get("complete") and not todo and not is_temporary(out):
         raise OutputExists(_COMPLETE.format(out=out))
     out.mkdir(parents=True, exist_ok=True)
 
@@ -329,6 +548,12 @@ def build_dataset(
             ends[_episode_key(result.job)] = result.end_reason
             write_manifest(out, settings, complete=False, counts=counts(), shards=records)
 
+    def deliver(result: EpisodeResult) -> None:
+        note(result)
+        results.append(result)
+        if on_episode:
+            on_episode(result)
+
     write_manifest(out, settings, complete=False, counts=counts(), shards=records)
     if on_problem:
         for problem in problems:
@@ -339,31 +564,9 @@ def build_dataset(
     results: list[EpisodeResult] = []
     if workers <= 1:
         for job in todo:
-            result = run_episode(str(out), job)
-            note(result)
-            results.append(result)
-            if on_episode:
-                on_episode(result)
+            deliver(run(str(out), job))
     else:
-        pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
-        futures = []
-        noted: set[int] = set()
-        try:
-            futures = [pool.submit(run_episode, str(out), job) for job in todo]
-            for future in as_completed(futures):
-                result = future.result()
-                note(result)
-                noted.add(id(future))
-                results.append(result)
-                if on_episode:
-                    on_episode(result)
-        finally:
-            # On Ctrl-C stop at once: queued episodes are cancelled, not run (a rerun resumes them); the
-            # episodes that finish meanwhile are recorded.
-            pool.shutdown(wait=True, cancel_futures=True)
-            for future in futures:
-                if id(future) not in noted and future.done() and not future.cancelled() and not future.exception():
-                    note(future.result())
+        _run_in_workers(str(out), todo, workers, run, deliver, note)
     failed = [r for r in results if r.error is not None]
     complete = not failed and len(records) == len(jobs)
     write_manifest(out, settings, complete=complete, counts=counts(), shards=records)
@@ -374,4 +577,119 @@ def build_dataset(
         failed=failed,
         seconds=time.perf_counter() - start,
         repaired=problems,
+        complete=complete,
     )
+
+
+# --- worker processes ---------------------------------------------------------------------------------------
+
+
+def _serve_episodes(connection: Connection, root: str, run: EpisodeRunner) -> None:
+    """A worker process: run each job it is sent until it is sent None. Ctrl-C reaches the workers too: the
+    main process reports it, so a worker just stops."""
+    with suppress(KeyboardInterrupt, EOFError, BrokenPipeError):
+        while (job := connection.recv()) is not None:
+            connection.send(run(root, job))
+
+
+def how_it_ended(exitcode: int | None) -> str:
+    """A process's exit code in words."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"killed by {name}" + (", as the out-of-memory killer does" if name == "SIGKILL" else "")
+    return f"exit status {exitcode}"
+
+
+@dataclass
+class _Worker:
+    """One worker process, the main process's end of its pipe, and the episode it holds."""
+
+    process: multiprocessing.process.BaseProcess
+    connection: Connection
+    job: EpisodeJob | None = None
+    since: float = 0.0
+
+    @classmethod
+    def start(cls, context: Any, root: str, run: EpisodeRunner) -> _Worker:
+        ours, theirs = context.Pipe()
+        process = context.Process(target=_serve_episodes, args=(theirs, root, run), daemon=True)
+        process.start()
+        theirs.close()
+        return cls(process, ours)
+
+    def give(self, job: EpisodeJob) -> None:
+        """Send `job`. A process that died meanwhile cannot take it: `take` then reports how it ended."""
+        self.job, self.since = job, time.perf_counter()
+        with suppress(OSError):
+            self.connection.send(job)
+
+    def take(self) -> EpisodeResult:
+        """The result of the job it held (once its pipe or its process is ready), or a failure naming how the
+        process ended."""
+        job, self.job = self.job, None
+        assert job is not None
+        with suppress(EOFError, OSError):
+            if self.connection.poll():
+                return self.connection.recv()
+        self.process.join()
+        return EpisodeResult(
+            job, 0, time.perf_counter() - self.since, error=f"{WORKER_DIED} ({how_it_ended(self.process.exitcode)})"
+        )
+
+    def stop(self) -> None:
+        if self.job is None and self.process.is_alive():
+            with suppress(OSError):
+                self.connection.send(None)
+            self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+        self.connection.close()
+
+
+def _run_in_workers(
+    root: str,
+    todo: list[EpisodeJob],
+    workers: int,
+    run: EpisodeRunner,
+    deliver: Callable[[EpisodeResult], None],
+    record: Callable[[EpisodeResult], None],
+) -> None:
+    """Run `todo` in up to `workers` spawned processes, `deliver`ing each result as it comes. A worker that dies
+    fails its episode (named with how the process ended) and is replaced for the remaining ones.
+
+    On Ctrl-C (or an error in `deliver`) no further episode starts; the episodes running finish and are
+    `record`ed (their shards are written) unless interrupted too; a rerun resumes the rest."""
+    context = multiprocessing.get_context("spawn")
+    queue = deque(todo)
+    pool: list[_Worker] = []
+    try:
+        try:
+            while queue or any(w.job for w in pool):
+                for worker in [w for w in pool if w.job is None and not w.process.is_alive()]:
+                    worker.stop()  # died between episodes: nothing was lost
+                    pool.remove(worker)
+                for worker in pool:
+                    if worker.job is None and queue:
+                        worker.give(queue.popleft())
+                while queue and len(pool) < workers:
+                    pool.append(_Worker.start(context, root, run))
+                    pool[-1].give(queue.popleft())
+                busy = [w for w in pool if w.job]
+                ready = set(wait([w.connection for w in busy] + [w.process.sentinel for w in busy]))
+                for worker in busy:
+                    if worker.connection in ready or worker.process.sentinel in ready:
+                        deliver(worker.take())
+        except BaseException:
+            for worker in [w for w in pool if w.job]:
+                wait([worker.connection, worker.process.sentinel])
+                result = worker.take()
+                if result.error is None:
+                    record(result)
+            raise
+    finally:
+        for worker in pool:
+            worker.stop()

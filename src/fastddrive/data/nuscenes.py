@@ -51,6 +51,7 @@ direction of travel is written).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -70,7 +71,7 @@ from PIL import Image
 from scipy.spatial.transform import Rotation
 
 from fastddrive.data import labels as rules
-from fastddrive.data.build import OutputExists, prepare_output, write_manifest
+from fastddrive.data.build import holds_complete_dataset, prepare_output, staged_build, write_manifest
 from fastddrive.data.sample import (
     FUTURE_STEPS,
     HISTORY_STEPS,
@@ -82,6 +83,7 @@ from fastddrive.data.sample import (
     DrivingSample,
     write_shard,
 )
+from fastddrive.outputs import check_folder_destination
 from fastddrive.schema import DrivingResponse
 
 HISTORY_KEYFRAMES = HISTORY_STEPS - 1  # 6 key frames behind t = 0 (3 s at 2 Hz)
@@ -712,6 +714,7 @@ class ConvertReport:
     failures: list[str]
     velocity_rows: dict[str, int]  # history rows whose velocity came from "can_bus" or from "ego_pose" differences
     seconds: float
+    kept: bool = False  # samples failed and `out` held a complete data set: that was kept, the conversion dropped
 
 
 def convert_nuscenes(
@@ -729,16 +732,16 @@ def convert_nuscenes(
 
     `ego_size_m` (length, width) is the samples' ego box: the nuScenes car unless the data is an export of
     another vehicle (nuScenes has no field for it). `on_start(key_frames)` once, then `on_item()` per key frame.
-    A missing table raises NuScenesError before anything is written; a malformed record fails the samples that
-    need it, named in `failures`, and the rest completes (the manifest is then not marked complete).
+    `out` is checked first (not inside `dataroot`, ...); a missing table raises NuScenesError before anything is
+    written; a malformed record fails the samples that need it, named in `failures`, and the rest completes (the
+    manifest is then not marked complete). The dataset is built beside `out` and takes its place at the end,
+    except that a conversion with failures does not replace a complete data set (data/build.py).
     """
     start = time.perf_counter()
     dataroot, out = Path(dataroot), Path(out)
     if image_width < IMAGE_UNIT_PX or image_width % IMAGE_UNIT_PX:
         raise ValueError(f"image_width must be a positive multiple of {IMAGE_UNIT_PX} px, got {image_width}")
-    problems: list[str] = []
-    db = _Tables(dataroot / version, problems)
-    index = _index(db, problems)
+    check_folder_destination(out, "--out", inputs=(dataroot,), owned=(out,))
     channels = SIX_CAMERAS if six_cameras else (FRONT,)
     settings = {
         "source": "nuscenes",
@@ -750,42 +753,51 @@ def convert_nuscenes(
         "conventions": CONVENTIONS,
     }
     prepare_output(out, settings, overwrite)
-    out.mkdir(parents=True, exist_ok=True)
-    write_manifest(out, settings, complete=False, counts={})
+    complete_before = holds_complete_dataset(out)
+    problems: list[str] = []
+    db = _Tables(dataroot / version, problems)
+    index = _index(db, problems)
     scenes = []
     for record in db.rows["scene"].values():
         try:
             scenes.append(_Scene(db, index, dataroot, record, problems))
         except RecordError as err:
             problems.append(f"{err}; the scene is left out")
-    if on_start:
-        on_start(sum(len(s.samples) for s in scenes))
     converter = _Converter(db, channels, image_width, tuple(ego_size_m))
-    counts, skipped, failures = dict.fromkeys(SPLITS, 0), Counter(), []
-    for number, scene in enumerate(scenes):
-        samples = []
-        for k, record in enumerate(scene.samples):
-            if k < HISTORY_KEYFRAMES:
-                skipped["under 3 s of history"] += 1
-            elif k + FUTURE_KEYFRAMES >= len(scene.samples):
-                skipped["under 5 s of future"] += 1
-            else:
-                try:
-                    samples.append(converter.sample(scene, k))
-                except ValueError as err:  # a RecordError, or values the sample format refuses
-                    failures.append(f"{scene.name} sample {record['token']}: {err}")
-            if on_item:
-                on_item()
-        split = scene.split(version)
-        if samples:
-            write_shard(out / split / f"{number:05d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', scene.name)}.parquet", samples)
-        counts[split] += len(samples)
-    failures = problems + failures
-    totals = {"samples": counts, "skipped": dict(skipped), "failures": len(failures)}
-    write_manifest(out, settings, complete=not failures, counts=totals)
-    return ConvertReport(
-        len(scenes), counts, dict(skipped), failures, dict(converter.velocity_rows), time.perf_counter() - start
-    )
+
+    def convert(folder: Path) -> ConvertReport:
+        write_manifest(folder, settings, complete=False, counts={})
+        if on_start:
+            on_start(sum(len(s.samples) for s in scenes))
+        counts, skipped, failures = dict.fromkeys(SPLITS, 0), Counter(), []
+        for number, scene in enumerate(scenes):
+            samples = []
+            for k, record in enumerate(scene.samples):
+                if k < HISTORY_KEYFRAMES:
+                    skipped["under 3 s of history"] += 1
+                elif k + FUTURE_KEYFRAMES >= len(scene.samples):
+                    skipped["under 5 s of future"] += 1
+                else:
+                    try:
+                        samples.append(converter.sample(scene, k))
+                    except ValueError as err:  # a RecordError, or values the sample format refuses
+                        failures.append(f"{scene.name} sample {record['token']}: {err}")
+                if on_item:
+                    on_item()
+            split = scene.split(version)
+            if samples:
+                name = f"{number:05d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', scene.name)}.parquet"
+                write_shard(folder / split / name, samples)
+            counts[split] += len(samples)
+        failures = problems + failures
+        totals = {"samples": counts, "skipped": dict(skipped), "failures": len(failures)}
+        write_manifest(folder, settings, complete=not failures, counts=totals)
+        return ConvertReport(
+            len(scenes), counts, dict(skipped), failures, dict(converter.velocity_rows), time.perf_counter() - start
+        )
+
+    report, replaced = staged_build(out, convert, lambda r: not (r.failures and complete_before))
+    return report if replaced else dataclasses.replace(report, kept=True, seconds=time.perf_counter() - start)
 
 
 @dataclass(frozen=True)
@@ -842,6 +854,7 @@ class _Exporter:
         return token
 
     def _write(self, relative: str, data: bytes) -> None:
+        """One file of the export (`out` is a folder being built: it takes its place once whole)."""
         path = self.out / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
@@ -1057,7 +1070,7 @@ class _Exporter:
         folder = self.out / self.version
         folder.mkdir(parents=True, exist_ok=True)
         for table, rows in self.tables.items():
-            (folder / f"{table}.json").write_text(json.dumps(rows, indent=1))
+            (folder / f"{table}.json").write_text(json.dumps(rows, indent=1), encoding="utf-8")
 
 
 def export_nuscenes(
@@ -1065,30 +1078,41 @@ def export_nuscenes(
     out: str | Path,
     version: str = EXPORT_VERSION,
     splits: Sequence[str] = SPLITS,
+    overwrite: bool = False,
     on_start: Callable[[int], None] | None = None,
     on_item: Callable[[], None] | None = None,
 ) -> ExportReport:
-    """Write the samples of a fastddrive dataset's `splits` into the empty folder `out` in the nuScenes v1.0 layout.
+    """Write the samples of a fastddrive dataset's `splits` into `out` in the nuScenes v1.0 layout.
 
     Tables go to `out/version/`, frames to `out/samples/CAM_FRONT/`, CAN bus messages to `out/can_bus/`; each
-    sample is one scene (module docstring). `on_start(samples)` once, then `on_item()` per sample.
+    sample is one scene (module docstring). `on_start(samples)` once, then `on_item()` per sample. `out` must be
+    missing or empty, or with `overwrite` an earlier export of `version` (nothing else is deleted); it is checked
+    first, and the export is built beside it and takes its place only once it is whole.
     """
+    from fastddrive.data.wod_e2e import check_export_output
+
     start = time.perf_counter()
-    dataset, out = DrivingDataset.open(data), Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise OutputExists(f"{out} is not an empty folder; a nuScenes export needs one of its own")
+    out = Path(out)
     unknown = [s for s in splits if s not in SPLITS]
     if unknown:
         raise ValueError(f"unknown split {unknown[0]!r}; known: {', '.join(SPLITS)}")
+    check_folder_destination(out, "--out", inputs=(data,))
+    dataset = DrivingDataset.open(data)
+    check_export_output(out, overwrite, {version, "samples", "sweeps", "can_bus", "maps"}, "a nuScenes export")
     if on_start:
         on_start(sum(dataset.table(s, columns=["sample_id"]).num_rows for s in splits))
-    exporter = _Exporter(out, version)
-    counts, tokens = dict.fromkeys(splits, 0), {}
-    for split in splits:
-        for sample in dataset.samples(split):
-            tokens[sample.sample_id] = exporter.add(sample, split)
-            counts[split] += 1
-            if on_item:
-                on_item()
-    exporter.finish()
-    return ExportReport(version, len(exporter.tables["scene"]), counts, tokens, time.perf_counter() - start)
+
+    def export(folder: Path) -> ExportReport:
+        exporter = _Exporter(folder, version)
+        counts, tokens = dict.fromkeys(splits, 0), {}
+        for split in splits:
+            for sample in dataset.samples(split):
+                tokens[sample.sample_id] = exporter.add(sample, split)
+                counts[split] += 1
+                if on_item:
+                    on_item()
+        exporter.finish()
+        return ExportReport(version, len(exporter.tables["scene"]), counts, tokens, time.perf_counter() - start)
+
+    report, _ = staged_build(out, export, lambda _: True)
+    return report

@@ -4,11 +4,18 @@ Units and frames: metres, seconds, m/s, m/s^2; every array is in the ego frame a
 +y left). A dataset folder holds `manifest.json` and one parquet shard per episode under
 `train/`, `val/` and `test/`; the manifest records every shard's size, sha256 and sample count (`shards`),
 and readers check a shard before they use it: its presence and size always, its checksum when this process
-first reads it, so a missing, truncated or corrupted shard is a DatasetError that names it. Datasets written
-before shards were recorded are read as they are: readable parquet, and for a complete simulator dataset every
-planned shard present. Val and test samples of simulator datasets also carry up to 3 simulated
-raters' futures with 0..10 scores (data/raters.py) for the WOD-E2E rater feedback score; shards written
-before raters existed read back with none.
+first reads it, so a missing, truncated or corrupted shard is a DatasetError that names it. Val and test
+samples of simulator datasets also carry up to 3 simulated raters' futures with 0..10 scores (data/raters.py)
+for the WOD-E2E rater feedback score; shards written before raters existed read back with none.
+
+The manifest is checked whole before anything trusts it (`read_manifest`): UTF-8 JSON, every key the readers
+use of its type, every shard record well formed; anything else is a DatasetError naming the file and the key.
+Every manifest ever written carries a `version`: 2 (MANIFEST_VERSION in data/build.py; the simulator build and
+both converters) records every shard, 1 (the first releases, before checksums) records none. Version 1 data
+sets are still read, as they were made: readable parquet, and for a complete simulator data set every planned
+shard present (`data highway` on one adopts its shards and records them). A version 2 manifest without its
+`shards` record, or one without a version, was never written so: it is damaged, not old, and refused, since
+reading it as old would silently turn the checksums off.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import hashlib
 import io
 import json
 import numbers
+import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,7 +37,7 @@ import pyarrow.parquet as pq
 import pyspng
 from PIL import Image
 
-from fastddrive.outputs import write_bytes
+from fastddrive.outputs import is_temporary, write_bytes
 from fastddrive.schema import DrivingResponse, parse, render
 
 HISTORY_STEPS = 7  # t = -3.0, -2.5, ..., 0.0 s
@@ -45,6 +53,9 @@ RATER_MAX_SCORE = 10.0
 MANIFEST = "manifest.json"
 DATASET_FORMAT = "fastddrive-driving-samples"
 SHARDS = "shards"  # manifest key: shard path relative to the root -> {"bytes", "sha256", "samples"}
+MANIFEST_VERSIONS = (1, 2)  # 1: no shard records (before checksums); 2: every shard recorded (build.MANIFEST_VERSION)
+_SHARD_NAME = re.compile(r"(?:train|val|test)/[^/\\\x00]+\.parquet")  # one file in a split folder
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class SampleError(ValueError):
@@ -438,17 +449,7 @@ class DrivingDataset:
         manifest_path = root / MANIFEST
         if not manifest_path.is_file():
             raise DatasetError(f"{root} is not a fastddrive dataset: {MANIFEST} is missing")
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except json.JSONDecodeError as err:
-            raise DatasetError(f"{manifest_path} is not valid JSON: {err.msg}") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != DATASET_FORMAT:
-            found = manifest.get("format") if isinstance(manifest, dict) else None
-            raise DatasetError(f"{root} is not a fastddrive dataset: {MANIFEST} has format {found!r}")
-        records = manifest.get(SHARDS)
-        if records is not None and not _valid_records(records):
-            raise DatasetError(f"{manifest_path} is damaged: its {SHARDS!r} entry is not a table of shard records")
-        return cls(root, manifest)
+        return cls(root, read_manifest(manifest_path))
 
     @property
     def records(self) -> dict[str, dict[str, Any]] | None:
@@ -463,7 +464,7 @@ class DrivingDataset:
         """Every shard of a split in order, the manifest's and those on disk: `checksum=False` checks presence
         and size only (of a dataset without records: presence of the planned shards of a complete one)."""
         self._check_split(split)
-        on_disk = {f"{split}/{p.name}" for p in (self.root / split).glob("*.parquet")}
+        on_disk = set(shards_on_disk(self.root, split))
         records = self.records
         if records is None:
             expected = set()
@@ -487,9 +488,10 @@ class DrivingDataset:
         ]
 
     def _error(self, check: ShardCheck, others: int = 0) -> ShardError:
+        simulated = self.manifest["settings"].get("source") == "highway-env"
         if check.state == "unrecorded":
-            remedy = "remove it, or rerun the command that made the dataset to finish it"
-        elif self.manifest.get("settings", {}).get("source") == "highway-env":
+            remedy = "remove it" + (", or rerun `fastddrive data highway` with the same settings" if simulated else "")
+        elif simulated:
             remedy = "rerun `fastddrive data highway` with the same settings to rebuild it"
         else:
             remedy = "make the dataset again"
@@ -560,14 +562,115 @@ class DrivingDataset:
         return from_row(table.slice(index, 1).to_pylist()[0])
 
 
-def _valid_records(records: Any) -> bool:
+def shards_on_disk(root: Path, split: str) -> list[str]:
+    """The shard files of a split folder ("<split>/<name>.parquet"), without the temporary files of writers that
+    were interrupted (outputs.is_temporary): those are no shards."""
+    return sorted(f"{split}/{p.name}" for p in (root / split).glob("*.parquet") if not is_temporary(p))
+
+
+def _kind(value: Any) -> str:
+    """What a JSON value is, in words."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "a list" if isinstance(value, list) else "an object"
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _record_problem(shard: Any, record: Any) -> str | None:
+    where = f"{SHARDS}[{_short(shard)}]"
+    if not isinstance(shard, str) or not _SHARD_NAME.fullmatch(shard):
+        return f"{where} is not a shard name (<train|val|test>/<name>.parquet)"
+    if not isinstance(record, dict):
+        return f"{where} is {_kind(record)}, not an object"
+    for key in ("bytes", "samples"):
+        if not _count(record.get(key)):
+            return f"{where}.{key} is {_short(record.get(key))}, not a count"
+    if not isinstance(record.get("sha256"), str) or not _SHA256.fullmatch(record["sha256"]):
+        return f"{where}.sha256 is {_short(record.get('sha256'))}, not a sha256 digest (64 hex digits)"
+    return None
+
+
+def manifest_problem(manifest: dict[str, Any]) -> str | None:
+    """What makes a data set's manifest (of its format) unusable, naming the key; None when it is sound."""
+    from fastddrive.data.build import settings_problem  # build imports this module
+
+    if "version" not in manifest:
+        return "it has no 'version'"
+    version = manifest["version"]
+    if not _count(version) or version not in MANIFEST_VERSIONS:
+        return f"'version' is {_short(version)}, not a manifest version ({', '.join(map(str, MANIFEST_VERSIONS))})"
+    if not isinstance(manifest.get("settings", {}), dict):
+        return f"'settings' is {_kind(manifest['settings'])}, not an object"
+    if not isinstance(manifest.get("complete", False), bool):
+        return f"'complete' is {_short(manifest['complete'])}, not true or false"
+    if "episodes_written" in manifest and not _count(manifest["episodes_written"]):
+        return f"'episodes_written' is {_short(manifest['episodes_written'])}, not a count"
+    ends = manifest.get("end_reasons", {})
+    if not isinstance(ends, dict) or not all(isinstance(v, str) for v in ends.values()):
+        return "'end_reasons' is not an object of episode end reasons"
+    problem = settings_problem(manifest.get("settings", {}))
+    if problem is not None:
+        return problem
+    if version == 1:
+        return f"a version 1 manifest records no {SHARDS!r}, yet this one does" if SHARDS in manifest else None
+    records = manifest.get(SHARDS)
+    if records is None:
+        return f"its {SHARDS!r} record of the shards is missing (a version {version} manifest has one)"
     if not isinstance(records, dict):
-        return False
-    for shard, record in records.items():
-        if not isinstance(shard, str) or shard.count("/") != 1 or not isinstance(record, dict):
-            return False
-        if not isinstance(record.get("bytes"), int) or not isinstance(record.get("samples"), int):
-            return False
-        if not isinstance(record.get("sha256"), str):
-            return False
-    return True
+        return f"{SHARDS!r} is {_kind(records)}, not an object"
+    return next((p for shard, record in records.items() if (p := _record_problem(shard, record))), None)
+
+
+class ManifestError(DatasetError):
+    """A data set's manifest that is damaged: not UTF-8 JSON, or a key missing or of the wrong type; `problem`
+    says what, naming the key."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(f"{path} is damaged: {problem}; make the data set again")
+        self.path = path
+        self.problem = problem
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The data set manifest at `path`, checked whole (module docstring); otherwise a ManifestError naming the file
+    and the key, or a DatasetError for a manifest of another format or a newer version."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise DatasetError(f"{path} cannot be read ({err.strerror or err})") from None
+    try:
+        manifest = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ManifestError(path, f"it is not UTF-8 text (byte {err.start})") from None
+    except json.JSONDecodeError as err:
+        raise ManifestError(path, f"it is not valid JSON ({err.msg}, line {err.lineno})") from None
+    except (ValueError, RecursionError):  # an integer of thousands of digits, or arrays nested thousands deep
+        raise ManifestError(path, "it is not JSON that can be read") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != DATASET_FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise DatasetError(f"{path.parent} is not a fastddrive dataset: {MANIFEST} has format {_short(found)}")
+    version = manifest.get("version")
+    if _count(version) and version > max(MANIFEST_VERSIONS):
+        raise DatasetError(
+            f"{path} has manifest version {version}, newer than this fastddrive reads "
+            f"({max(MANIFEST_VERSIONS)}); upgrade fastddrive"
+        )
+    problem = manifest_problem(manifest)
+    if problem is not None:
+        raise ManifestError(path, problem)
+    # Optional keys, as readers take them: no settings, and not complete.
+    return {"settings": {}, "complete": False, **manifest}

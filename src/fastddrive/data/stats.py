@@ -10,6 +10,7 @@ from rich.console import RenderableType
 from rich.table import Table
 
 from fastddrive.data.sample import SPLITS, DrivingDataset
+from fastddrive.data.verify import unfinished
 from fastddrive.scaffold import Scaffold
 from fastddrive.schema import parse
 
@@ -20,6 +21,7 @@ class DatasetStats:
 
     scaffold: Scaffold
     episodes: int | None
+    unfinished: str | None  # why the data set is not complete (verify.unfinished); None when it is
     by_split: dict[str, Counter]  # split -> scenario -> samples
     end_reasons: Counter  # (scenario, reason) -> episodes
     longitudinal: Counter
@@ -35,6 +37,8 @@ class DatasetStats:
 
     def to_json(self) -> dict[str, object]:
         return {
+            "complete": self.unfinished is None,
+            "unfinished": self.unfinished,
             "samples": {s: sum(c.values()) for s, c in self.by_split.items()},
             "scenarios": {s: dict(c) for s, c in self.by_split.items()},
             "longitudinal": dict(self.longitudinal),
@@ -50,7 +54,9 @@ class DatasetStats:
 
     def renderables(self) -> list[RenderableType]:
         """The tables and lines `fastddrive data stats` prints, in order."""
-        title = "Samples per scenario" + (f" ({self.episodes} episodes)" if self.episodes else "")
+        title = "Samples per scenario" + (
+            f" ({self.episodes} episodes)" if self.episodes and not self.unfinished else ""
+        )
         scenarios = Table(title=title)
         scenarios.add_column("scenario")
         for split in SPLITS:
@@ -59,6 +65,8 @@ class DatasetStats:
             scenarios.add_row(name, *(str(self.by_split[s][name]) for s in SPLITS))
         scenarios.add_row("all", *(str(sum(self.by_split[s].values())) for s in SPLITS))
         out: list[RenderableType] = [scenarios]
+        if self.unfinished:
+            out.insert(0, f"[bold red]incomplete data set:[/] {self.unfinished}; the figures cover what is written")
         if self.end_reasons:
             endings = ", ".join(
                 f"{scenario} {reason} {n}" for (scenario, reason), n in sorted(self.end_reasons.items())
@@ -86,11 +94,13 @@ def dataset_stats(dataset: DrivingDataset, scaffold: Scaffold) -> DatasetStats:
     encoded = [scaffold.encode(r) for r in responses]
     slot = next(s for s in scaffold.slots if s.name == "explanation")
     reasons = dataset.manifest.get("end_reasons", {})
+    settings = dataset.manifest["settings"]
     return DatasetStats(
         scaffold=scaffold,
-        episodes=dataset.manifest.get("settings", {}).get("episodes"),
+        episodes=settings["episodes"] if settings.get("source") == "highway-env" else None,
+        unfinished=unfinished(dataset),
         by_split={s: Counter(r["scenario"] for r in per_split[s]) for s in SPLITS},
-        end_reasons=Counter((key.split("-", 1)[1], reason) for key, reason in reasons.items()),
+        end_reasons=Counter((key.partition("-")[2] or key, reason) for key, reason in reasons.items()),
         longitudinal=Counter(r.future_meta_behavior.longitudinal for r in responses),
         lateral=Counter(r.future_meta_behavior.lateral for r in responses),
         commands=Counter(r["command"] for r in rows),

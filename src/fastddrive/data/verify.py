@@ -4,7 +4,8 @@ Every shard the manifest records is checked against its record (present, its siz
 count); a shard file the manifest does not record is reported too. A dataset written before shards were
 recorded is checked for readable parquet shards and, for a complete simulator dataset, for every shard its
 settings plan. A simulator dataset that is not complete lists the episodes still to be simulated (pending),
-and every written episode needs its recorded end reason.
+and every written episode needs its recorded end reason. `unfinished` says in words why a data set is not
+complete, for every command that reports on one (`data stats`: its figures then cover only what is written).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastddrive.data.sample import SHARD_STATES, SPLITS, DrivingDataset, ShardCheck
+from fastddrive.data.sample import SHARD_STATES, SPLITS, DrivingDataset, ShardCheck, shards_on_disk
 
 
 @dataclass(frozen=True)
@@ -117,8 +118,8 @@ def verify_dataset(root: str | Path, checksums: bool = True) -> VerifyReport:
 
     dataset = DrivingDataset.open(root)
     manifest = dataset.manifest
-    settings = manifest.get("settings") or {}
-    complete = bool(manifest.get("complete"))
+    settings = manifest["settings"]
+    complete = manifest["complete"]
     checks = {split: dataset.check_shards(split, checksum=checksums) for split in SPLITS}
     pending: list[str] = []
     missing_metadata: list[str] = []
@@ -133,7 +134,7 @@ def verify_dataset(root: str | Path, checksums: bool = True) -> VerifyReport:
                 checks[split] = sorted([*checks[split], ShardCheck(shard, "missing", "is missing")], key=_by_shard)
             else:
                 pending.append(shard)
-        ends = manifest.get("end_reasons") or {}
+        ends = manifest.get("end_reasons", {})
         jobs = plan_episodes(int(settings["episodes"]), int(settings["seed"]), list(settings["scenarios"]))
         written = {c.shard for split in SPLITS for c in checks[split] if c.state != "missing"}
         missing_metadata = [_episode_key(j) for j in jobs if j.shard in written and _episode_key(j) not in ends]
@@ -151,3 +152,26 @@ def verify_dataset(root: str | Path, checksums: bool = True) -> VerifyReport:
 
 def _by_shard(check: ShardCheck) -> str:
     return check.shard
+
+
+def unfinished(dataset: DrivingDataset) -> str | None:
+    """Why `dataset` is not complete, in words ("1 of 3 planned episodes written"); None when it is complete:
+    its manifest says so and, for a simulator data set, every shard its settings plan is there."""
+    from fastddrive.data.build import planned_shards
+
+    manifest = dataset.manifest
+    planned = planned_shards(manifest["settings"])
+    if planned is not None:
+        present = set(dataset.records or ()) | {s for split in SPLITS for s in shards_on_disk(dataset.root, split)}
+        written = sum(shard in present for shard in planned)
+        if manifest["complete"] and written == len(planned):
+            return None
+        return (
+            f"{written} of {len(planned)} planned episodes written; `fastddrive data highway` with the same "
+            "settings finishes it"
+        )
+    if manifest["complete"]:
+        return None
+    failed = next((manifest[k] for k in ("failed", "failures") if isinstance(manifest.get(k), int)), None)
+    made = "the command that made it" + (f" reported {failed} failure(s)" if failed else " did not finish")
+    return f"{made}; make it again to complete it"

@@ -64,14 +64,21 @@ import math
 import re
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 from PIL import Image
 
-from fastddrive.data.build import RATER_SPLITS, OutputExists, prepare_output, write_manifest
+from fastddrive.data.build import (
+    RATER_SPLITS,
+    OutputExists,
+    holds_complete_dataset,
+    prepare_output,
+    staged_build,
+    write_manifest,
+)
 from fastddrive.data.sample import (
     FUTURE_INTERVAL_S,
     FUTURE_STEPS,
@@ -87,7 +94,7 @@ from fastddrive.data.sample import (
     write_shard,
 )
 from fastddrive.data.wod_tfrecord import CorruptRecord, WodFrame, encode_frame, read_frames, write_records
-from fastddrive.outputs import write_bytes
+from fastddrive.outputs import check_folder_destination, is_temporary, write_bytes
 from fastddrive.schema import CRITICAL_OBJECT_CLASSES, WAYPOINT_INTERVAL_S, DrivingResponse, MetaBehavior, parse, render
 
 SOURCE = "wod-e2e"
@@ -177,6 +184,7 @@ class ConversionReport:
     answers_derived: int
     failures: list[RecordOutcome]
     seconds: float
+    kept: bool = False  # records failed and `out` held a complete data set: that was kept, the conversion dropped
 
 
 @dataclass(frozen=True)
@@ -457,11 +465,27 @@ def read_wod_e2e(
     return _outcomes(files, tfrecords, Path(image_root) if image_root is not None else src, max_pixels)
 
 
-def _check_output(out: Path, overwrite: bool) -> None:
+def export_layout_problem(out: Path, names: set[str], what: str) -> str | None:
+    """Why the existing folder `out` is not an earlier export that `--overwrite` may replace: it holds something
+    other than `names` (what an export of `what` writes) and temporary leftovers."""
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in names and not is_temporary(p))
+    if not foreign:
+        return None
+    listed = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+    return f"{out} holds {listed}, which {what} does not write; refusing to delete it, choose another --out"
+
+
+def check_export_output(out: Path, overwrite: bool, names: set[str], what: str) -> None:
+    """An export's `--out`: missing or empty, or with `overwrite` an earlier export (`export_layout_problem`)."""
     if out.exists() and not out.is_dir():
         raise OutputExists(f"{out} exists and is not a directory")
-    if not overwrite and out.is_dir() and any(out.iterdir()):
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not overwrite:
         raise OutputExists(f"{out} is not empty; pass --overwrite to replace it or choose another --out")
+    problem = export_layout_problem(out, names, what)
+    if problem is not None:
+        raise OutputExists(problem)
 
 
 def convert_wod_e2e(
@@ -475,52 +499,58 @@ def convert_wod_e2e(
 ) -> ConversionReport:
     """Convert the release files in `src` into a dataset in `out`; `on_item()` is called once per record.
 
-    Shards are `<split>/<file>-<k>.parquet`; the manifest is marked complete only when no record failed.
+    Shards are `<split>/<file>-<k>.parquet`; the manifest is marked complete only when no record failed. `out` is
+    checked first (not inside `src` or the image root, ...); the dataset is built beside it and takes its place
+    at the end, except that a conversion with failed records does not replace a complete data set (data/build.py).
     """
     start = time.perf_counter()
     src, out = Path(src), Path(out)
     root = Path(image_root) if image_root is not None else src
+    check_folder_destination(out, "--out", inputs=(src, root), owned=(out,))
     outcomes = read_wod_e2e(src, root, max_pixels)
-    _check_output(out, overwrite)
     settings = {
         "source": SOURCE,
         "src": str(src.resolve()),
         "image_root": str(root.resolve()),
         "max_pixels": max_pixels,
     }
-    prepare_output(out, settings, overwrite=True)  # clears an earlier dataset; refuses any other folder
-    out.mkdir(parents=True, exist_ok=True)
-    write_manifest(out, settings, complete=False, counts={})
+    prepare_output(out, settings, overwrite)
+    complete_before = holds_complete_dataset(out)
 
-    pending: dict[tuple[str, str], list[DrivingSample]] = {}
-    written: dict[tuple[str, str], int] = {}
+    def convert(folder: Path) -> ConversionReport:
+        write_manifest(folder, settings, complete=False, counts={})
+        pending: dict[tuple[str, str], list[DrivingSample]] = {}
+        written: dict[tuple[str, str], int] = {}
 
-    def flush(key: tuple[str, str]) -> None:
-        split, stem = key
-        write_shard(out / split / f"{stem}-{written.get(key, 0):05d}.parquet", pending.pop(key))
-        written[key] = written.get(key, 0) + 1
+        def flush(key: tuple[str, str]) -> None:
+            split, stem = key
+            write_shard(folder / split / f"{stem}-{written.get(key, 0):05d}.parquet", pending.pop(key))
+            written[key] = written.get(key, 0) + 1
 
-    samples, unrated = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0)
-    derived, failures = 0, []
-    for outcome in outcomes:
-        if outcome.sample is not None:
-            key = (outcome.split, re.sub(r"[^\w.-]", "_", outcome.file.stem))
-            pending.setdefault(key, []).append(outcome.sample)
-            samples[outcome.split] += 1
-            derived += outcome.answer_derived
-            if len(pending[key]) >= shard_size:
-                flush(key)
-        elif outcome.unrated:
-            unrated[outcome.split] += 1
-        else:
-            failures.append(outcome)
-        if on_item:
-            on_item()
-    for key in list(pending):
-        flush(key)
-    counts = {"samples": samples, "unrated_dropped": unrated, "answers_derived": derived, "failed": len(failures)}
-    write_manifest(out, settings, complete=not failures, counts=counts)
-    return ConversionReport(samples, unrated, derived, failures, time.perf_counter() - start)
+        samples, unrated = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0)
+        derived, failures = 0, []
+        for outcome in outcomes:
+            if outcome.sample is not None:
+                key = (outcome.split, re.sub(r"[^\w.-]", "_", outcome.file.stem))
+                pending.setdefault(key, []).append(outcome.sample)
+                samples[outcome.split] += 1
+                derived += outcome.answer_derived
+                if len(pending[key]) >= shard_size:
+                    flush(key)
+            elif outcome.unrated:
+                unrated[outcome.split] += 1
+            else:
+                failures.append(outcome)
+            if on_item:
+                on_item()
+        for key in list(pending):
+            flush(key)
+        counts = {"samples": samples, "unrated_dropped": unrated, "answers_derived": derived, "failed": len(failures)}
+        write_manifest(folder, settings, complete=not failures, counts=counts)
+        return ConversionReport(samples, unrated, derived, failures, time.perf_counter() - start)
+
+    report, replaced = staged_build(out, convert, lambda r: not (r.failures and complete_before))
+    return report if replaced else replace(report, kept=True, seconds=time.perf_counter() - start)
 
 
 def _encode(image: np.ndarray, image_format: Literal["jpeg", "png"]) -> bytes:
@@ -534,7 +564,7 @@ def _encode(image: np.ndarray, image_format: Literal["jpeg", "png"]) -> bytes:
 def release_record(
     sample: DrivingSample, out: Path, split: str, image_format: Literal["jpeg", "png"] = "jpeg"
 ) -> dict[str, Any]:
-    """One sample as a release record; its camera images are written under `out`."""
+    """One sample as a release record; its camera images are written under `out` (a folder being built)."""
     suffix = ".jpg" if image_format == "jpeg" else ".png"
     paths = []
     for camera, image in zip(CAMERAS, split_cameras(sample.image), strict=True):
@@ -561,6 +591,9 @@ def release_record(
     }
 
 
+EXPORT_NAMES = {"images"} | {f"{name}{ext}" for name in RELEASE_SPLITS.values() for ext in (".json", TFRECORD_SHARD)}
+
+
 def export_wod_e2e(
     data: str | Path,
     out: str | Path,
@@ -572,36 +605,44 @@ def export_wod_e2e(
     """Write a dataset's samples (one split, or all) in the release format; `on_item()` is called per sample.
 
     `out` gets `training.json`, `validation.json` and `test.json` (those with samples) with the raters in
-    `<split>.tfrecord-00000-of-00001` beside them, each written atomically, and the camera images under `images/`.
+    `<split>.tfrecord-00000-of-00001` beside them, and the camera images under `images/`. `out` is checked first
+    (not the data set or inside it; with `overwrite`, only an earlier export is replaced); the export is built
+    beside it and takes its place only once it is whole.
     """
     start = time.perf_counter()
     if split is not None and split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
     if image_format not in ("jpeg", "png"):
         raise ValueError(f"image_format must be jpeg or png, got {image_format!r}")
-    dataset = DrivingDataset.open(data)
     out = Path(out)
-    _check_output(out, overwrite)
-    counts = {}
-    for name in SPLITS if split is None else (split,):
-        records, frames = [], []
-        for sample in dataset.samples(name):
-            records.append(release_record(sample, out, name, image_format))
-            frames.append(
-                encode_frame(
-                    sample.sample_id,
-                    sample.rater_trajectories,
-                    sample.rater_scores,
-                    future=sample.future,
-                    intent=INTENTS[sample.command],
-                    timestamp_micros=round(sample.time_s * 1e6),
+    check_folder_destination(out, "--out", inputs=(data,))
+    dataset = DrivingDataset.open(data)
+    check_export_output(out, overwrite, EXPORT_NAMES, "a WOD-E2E export")
+
+    def export(folder: Path) -> dict[str, int]:
+        counts = {}
+        for name in SPLITS if split is None else (split,):
+            records, frames = [], []
+            for sample in dataset.samples(name):
+                records.append(release_record(sample, folder, name, image_format))
+                frames.append(
+                    encode_frame(
+                        sample.sample_id,
+                        sample.rater_trajectories,
+                        sample.rater_scores,
+                        future=sample.future,
+                        intent=INTENTS[sample.command],
+                        timestamp_micros=round(sample.time_s * 1e6),
+                    )
                 )
-            )
-            if on_item:
-                on_item()
-        if records:
-            path = out / f"{RELEASE_SPLITS[name]}.json"
-            write_bytes(path, json.dumps(records, ensure_ascii=False).encode("utf-8"))
-            write_records(out / f"{RELEASE_SPLITS[name]}{TFRECORD_SHARD}", frames)
-            counts[RELEASE_SPLITS[name]] = len(records)
+                if on_item:
+                    on_item()
+            if records:
+                path = folder / f"{RELEASE_SPLITS[name]}.json"
+                write_bytes(path, json.dumps(records, ensure_ascii=False).encode("utf-8"))
+                write_records(folder / f"{RELEASE_SPLITS[name]}{TFRECORD_SHARD}", frames)
+                counts[RELEASE_SPLITS[name]] = len(records)
+        return counts
+
+    counts, _ = staged_build(out, export, lambda _: True)
     return ExportReport(counts, time.perf_counter() - start)
