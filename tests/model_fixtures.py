@@ -9,21 +9,22 @@ from fastddrive.model_files import tiny_image_processor, tiny_qwen2_5_vl
 from fastddrive.schema import CRITICAL_OBJECT_CLASSES, DrivingResponse, MetaBehavior
 from fastddrive.tokenizer import default_tokenizer_path, load_tokenizer
 
+# The smallest Qwen2.5-VL architecture the tests build and train (tiny_qwen2_5_vl's keywords).
+SMALL = {
+    "hidden_size": 64,
+    "layers": 2,
+    "heads": 4,
+    "kv_heads": 2,
+    "intermediate_size": 128,
+    "vision_hidden_size": 32,
+    "vision_depth": 2,
+    "vision_heads": 2,
+}
+
 
 def vision_model(seed: int = 0) -> BlockDiffusionModel:
     tokenizer = load_tokenizer(default_tokenizer_path())
-    model = tiny_qwen2_5_vl(
-        tokenizer,
-        hidden_size=64,
-        layers=2,
-        heads=4,
-        kv_heads=2,
-        intermediate_size=128,
-        vision_hidden_size=32,
-        vision_depth=2,
-        vision_heads=2,
-        seed=seed,
-    )
+    model = tiny_qwen2_5_vl(tokenizer, **SMALL, seed=seed)
     return BlockDiffusionModel(model.eval(), tokenizer, tiny_image_processor())
 
 

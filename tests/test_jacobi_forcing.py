@@ -58,8 +58,9 @@ def ar_model(seed: int = 0):
 def dataset(tmp_path_factory):
     """A dataset folder of 5 synthetic training samples."""
     root = tmp_path_factory.mktemp("jf-data")
-    write_shard(root / "train" / "00000-synthetic.parquet", [synthetic_sample(s) for s in range(5)])
-    (root / MANIFEST).write_text(json.dumps({"format": DATASET_FORMAT}))
+    record = write_shard(root / "train" / "00000-synthetic.parquet", [synthetic_sample(s) for s in range(5)])
+    manifest = {"format": DATASET_FORMAT, "version": 2, "settings": {}, "complete": True}
+    (root / MANIFEST).write_text(json.dumps(manifest | {"shards": {"train/00000-synthetic.parquet": record}}))
     return str(root)
 
 
@@ -267,7 +268,9 @@ def test_a_damaged_shard_is_named_and_collected_again(dataset, teacher, tmp_path
         (["--split", "everything"], "unknown split 'everything'"),
         (["--samples", "0"], "samples must be at least 1"),
         (["--samples", "6"], "has 5 samples; cannot take 6"),
-        (["--block-size", "0"], "block size must be at least 1"),
+        (["--block-size", "0"], "block size must be in [1, 1024]"),
+        (["--block-size", "4096"], "block size must be in [1, 1024]"),
+        (["--seed", "-1"], "seed must be in [0, 4294967295]"),
         (["--model", "default"], "is a block-diffusion checkpoint"),
         (["--model", "nothing-here"], "holds no model"),
     ],

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
 
+from fastddrive.memory import check_allocation
 from fastddrive.model import IMAGE_TOKEN, BlockDiffusionModel, CheckpointInfo
 from fastddrive.model_files import check_device, tiny_image_processor
 from fastddrive.tokenizer import END_OF_TEXT, default_tokenizer_path, diffusion_token_ids, load_tokenizer
@@ -77,7 +78,8 @@ def random_init_model(
 ) -> BlockDiffusionModel:
     """The preset's architecture with random weights (transformers' init: normal, std 0.02), for timing only.
 
-    Parameters are created on `device` in `dtype`, so the 3B model never exists in float32 on the host.
+    Parameters are created on `device` in `dtype`, so the 3B model never exists in float32 on the host; their
+    size is checked against the memory budget first (MemoryBudgetError).
     `info.extra["random_init"]` names the preset, marking the weights as meaningless.
     """
     device = check_device(device)
@@ -94,6 +96,13 @@ def random_init_model(
     config = architecture_config(preset, _merged(shrink or {}, token_ids))
     if config.text_config.vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size {config.text_config.vocab_size} is below the tokenizer's {len(tokenizer)}")
+    with torch.device("meta"):  # shapes only: what the weights will take is checked before they are made
+        parameters = sum(p.numel() for p in AutoModelForImageTextToText.from_config(config, dtype=dtype).parameters())
+    check_allocation(
+        f"the {preset} architecture with random weights ({parameters:,} in {str(dtype).removeprefix('torch.')})",
+        parameters * torch.empty((), dtype=dtype).element_size(),
+        device,
+    )
     torch.manual_seed(seed)
     with torch.device(device):
         core = AutoModelForImageTextToText.from_config(config, dtype=dtype)

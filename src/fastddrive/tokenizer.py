@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib.resources import files
@@ -18,6 +19,8 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen2Tokenizer
+
+from fastddrive.outputs import OutputError, check_folder_destination, staged_folder
 
 # Qwen2's pre-tokenizer regex: `\p{N}` alone keeps every digit its own token.
 QWEN2_SPLIT_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501
@@ -60,10 +63,27 @@ QWEN25VL_ADDED_TOKENS: tuple[str, ...] = (
 )
 QWEN25VL_SPECIAL_COUNT = 14
 QWEN25VL_BPE_RANKS = 151_643
+# What `save_pretrained` writes for a tokenizer: a folder holding only these may be replaced by a new one.
+TOKENIZER_FILES = frozenset(
+    {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "vocab.json",
+        "merges.txt",
+        "added_tokens.json",
+        "chat_template.jinja",
+        "chat_template.json",
+    }
+)
 
 
 class MissingDiffusionTokens(ValueError):
     """A tokenizer (and so a checkpoint) that was never given |<MASK>| and <|NULL|>."""
+
+
+class TokenizerError(ValueError):
+    """A tokenizer folder whose files are damaged: the message (one line) names the file."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +130,28 @@ def _merges(backend: Tokenizer) -> list[tuple[str, str]]:
     return [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges]
 
 
+def check_tokenizer_destination(out: Path | str, option: str, inputs: Iterable[Path | str | None] = ()) -> Path:
+    """`out` may receive a tokenizer: a folder (`outputs.check_folder_destination`) that is new, empty or holds
+    only tokenizer files, since saving replaces it whole. Checked before training."""
+    out = check_folder_destination(out, option, inputs=inputs)
+    if out.is_dir():
+        others = sorted(p.name for p in out.iterdir() if p.name not in TOKENIZER_FILES)
+        if others:
+            raise OutputError(
+                f"{option} {out}: it holds {others[0]}, which is not a tokenizer file; give a new or empty folder"
+            )
+    return out
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out: Path | str) -> None:
+    """Save atomically: the files are written to a folder beside `out`, flushed, and swapped in whole."""
+    with staged_folder(out) as staging:
+        tokenizer.save_pretrained(str(staging))
+        for file in staging.iterdir():
+            with file.open("rb") as handle:
+                os.fsync(handle.fileno())
+
+
 def default_tokenizer_path() -> Path:
     """The tokenizer that ships inside the package (trained by `fastddrive tokenizer train`)."""
     return Path(str(files("fastddrive") / "assets" / "tokenizer"))
@@ -135,12 +177,46 @@ def corpus_texts(rows: Iterable[Mapping[str, Any]], vocabulary_repeats: int = 20
         yield row["response"]
 
 
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """Load a tokenizer from a local folder; never reaches the network."""
-    path = Path(path)
+def _json_object(file: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise TokenizerError(f"{file} is not UTF-8 text; it must be a JSON object") from None
+    except (ValueError, RecursionError) as err:
+        raise TokenizerError(f"{file} is not valid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise TokenizerError(f"{file} is not a JSON object")
+    return value
+
+
+def check_tokenizer_files(path: Path) -> None:
+    """The files a tokenizer loads from are there and have the shape transformers reads: one line naming the
+    file otherwise (transformers' own errors name neither the file nor the problem: "'added_tokens'")."""
     if not (path / "tokenizer_config.json").is_file():
         raise FileNotFoundError(f"{path} holds no tokenizer (tokenizer_config.json is missing)")
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    _json_object(path / "tokenizer_config.json")
+    file = path / "tokenizer.json"
+    if file.is_file():
+        backend = _json_object(file)
+        for key, kind in (("model", dict), ("added_tokens", list)):
+            if not isinstance(backend.get(key), kind):
+                what = "object" if kind is dict else "list"
+                raise TokenizerError(f"{file} is not a tokenizer: its {key!r} entry is missing or not a JSON {what}")
+    elif not (path / "vocab.json").is_file() or not (path / "merges.txt").is_file():
+        raise TokenizerError(f"{path} holds no tokenizer.json (nor vocab.json and merges.txt)")
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """Load a tokenizer from a local folder, after `check_tokenizer_files`; never reaches the network."""
+    path = Path(path)
+    check_tokenizer_files(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as err:  # noqa: BLE001 - whatever transformers makes of damaged files, they are damaged
+        raise TokenizerError(f"{path}: the tokenizer could not be loaded: {str(err).splitlines()[0]}") from None
+    if len(tokenizer) == 0:
+        raise TokenizerError(f"{path}: the tokenizer has an empty vocabulary")
+    return tokenizer
 
 
 def add_diffusion_tokens(tokenizer: PreTrainedTokenizerBase) -> DiffusionTokenIds:

@@ -14,17 +14,21 @@ from fastddrive.cli.common import console, tokenizer_app, user_errors
 @tokenizer_app.command("train")
 def tokenizer_train(
     data: Annotated[Path, typer.Option(help="Dataset folder whose train split is the corpus.")],
-    out: Annotated[Path, typer.Option(help="Folder to save the tokenizer in.")],
-    vocab_size: Annotated[int, typer.Option(min=300, help="BPE vocabulary size.")] = 1024,
+    out: Annotated[
+        Path, typer.Option(help="Folder to save the tokenizer in: new, empty or a tokenizer folder (replaced whole).")
+    ],
+    vocab_size: Annotated[int, typer.Option(min=300, max=200_000, help="BPE vocabulary size.")] = 1024,
 ) -> None:
     """Train the byte-level BPE on prompts and answers of a dataset's train split."""
     from fastddrive.data.sample import DrivingDataset
-    from fastddrive.tokenizer import corpus_texts, train_tokenizer
+    from fastddrive.tokenizer import check_tokenizer_destination, corpus_texts, save_tokenizer, train_tokenizer
 
     with user_errors():
+        check_tokenizer_destination(out, "--out", inputs=(data,))
         table = DrivingDataset.open(data).table("train", columns=["command", "history", "response"])
     tokenizer = train_tokenizer(corpus_texts(table.to_pylist()), vocab_size=vocab_size)
-    tokenizer.save_pretrained(str(out))
+    with user_errors():
+        save_tokenizer(tokenizer, out)
     console.print(f"trained a {len(tokenizer)}-token tokenizer on {table.num_rows} samples; saved to {out}")
 
 

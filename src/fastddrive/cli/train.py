@@ -20,9 +20,24 @@ def train_command(
     data: Annotated[Path | None, typer.Option(help="Dataset folder (overrides the config).")] = None,
     steps: Annotated[int | None, typer.Option(help="Training steps (overrides the config).")] = None,
     init_from: Annotated[str | None, typer.Option(help="Starting checkpoint (overrides the config).")] = None,
-    resume: Annotated[bool, typer.Option(help="Continue from the last valid checkpoint in --out.")] = False,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            help="Continue from the last valid checkpoint in --out (a damaged one is reported and the one before "
+            "it used); refused if it was trained on another data set or config."
+        ),
+    ] = False,
+    resume_with_changes: Annotated[
+        bool,
+        typer.Option(
+            "--resume-with-changes",
+            help="Resume (as --resume) although the data set or the config differ from those the checkpoint "
+            "was trained with; the changes are listed.",
+        ),
+    ] = False,
 ) -> None:
-    """Train with the AR, SASD or Jacobi Forcing recipe; checkpoints are atomic and --resume continues exactly."""
+    """Train with the AR, SASD or Jacobi Forcing recipe; checkpoints are atomic and checksummed, --resume continues
+    exactly. Stops at the first non-finite loss (exit status 2), keeping the last checkpoint."""
     from fastddrive.train.config import load_config
     from fastddrive.train.loop import train
 
@@ -54,7 +69,13 @@ def train_command(
 
     try:
         with user_errors():
-            report = train(settings, resume=resume, on_step=on_step, say=console.print)
+            report = train(
+                settings,
+                resume=resume or resume_with_changes,
+                on_step=on_step,
+                say=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True),
+                allow_changes=resume_with_changes,
+            )
     finally:
         progress.stop()
     console.print(

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from importlib.resources import files
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from fastddrive.schema import SECTIONS
 
@@ -16,19 +16,40 @@ class ConfigError(ValueError):
     """A training configuration that cannot be used, with the reason."""
 
 
+MAX_STEPS = 100_000_000
+# Every number of the config has a range, checked before anything is written (issue 32): floats are finite, a
+# loss weight lies in [0, 1000] (a NaN one would train NaN), a Beta parameter of the masking rates in (0, 1000].
+LossWeight = Annotated[float, Field(ge=0, le=1000, allow_inf_nan=False)]
+BetaParameter = Annotated[float, Field(gt=0, le=1000, allow_inf_nan=False)]
+
+
 class TinyArchitecture(BaseModel):
-    """Sizes of a Qwen2.5-VL built from scratch (the embedded default)."""
+    """Sizes of a Qwen2.5-VL built from scratch (the embedded default). The text head size (hidden_size /
+    heads) is even (its mRoPE sections halve it) and the vision head size a multiple of 4 (its 2D rotary)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    hidden_size: int = 192
-    layers: int = 4
-    heads: int = 6
-    kv_heads: int = 2
-    intermediate_size: int = 512
-    vision_hidden_size: int = 96
-    vision_depth: int = 2
-    vision_heads: int = 2
+    hidden_size: int = Field(default=192, ge=8, le=16384)
+    layers: int = Field(default=4, ge=1, le=256)
+    heads: int = Field(default=6, ge=1, le=256)
+    kv_heads: int = Field(default=2, ge=1, le=256)
+    intermediate_size: int = Field(default=512, ge=1, le=65536)
+    vision_hidden_size: int = Field(default=96, ge=8, le=16384)
+    vision_depth: int = Field(default=2, ge=1, le=256)
+    vision_heads: int = Field(default=2, ge=1, le=256)
+
+    @model_validator(mode="after")
+    def _heads_divide_the_widths(self) -> TinyArchitecture:
+        if self.hidden_size % self.heads or (self.hidden_size // self.heads) % 2:
+            raise ValueError(f"hidden_size {self.hidden_size} must be heads ({self.heads}) times an even head size")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads {self.heads} must be a multiple of kv_heads {self.kv_heads}")
+        if self.vision_hidden_size % self.vision_heads or (self.vision_hidden_size // self.vision_heads) % 4:
+            raise ValueError(
+                f"vision_hidden_size {self.vision_hidden_size} must be vision_heads ({self.vision_heads}) "
+                "times a head size that is a multiple of 4"
+            )
+        return self
 
 
 class TrainConfig(BaseModel):
@@ -44,20 +65,20 @@ class TrainConfig(BaseModel):
     data: str = "runs/sim"
     out: str = "runs/model"
     architecture: TinyArchitecture = TinyArchitecture()
-    image_max_pixels: int = Field(default=224 * 112, gt=0)
-    steps: int = Field(default=2000, ge=1)
-    batch_size: int = Field(default=8, ge=1)
-    lr: float = Field(default=1e-3, gt=0, allow_inf_nan=False)
-    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
-    warmup_steps: int = Field(default=100, ge=0)
-    weight_decay: float = Field(default=0.01, ge=0)
-    grad_clip: float = Field(default=1.0, gt=0)
+    image_max_pixels: int = Field(default=224 * 112, ge=56 * 56, le=4096 * 4096)
+    steps: int = Field(default=2000, ge=1, le=MAX_STEPS)
+    batch_size: int = Field(default=8, ge=1, le=4096)
+    lr: float = Field(default=1e-3, gt=0, le=1, allow_inf_nan=False)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1, allow_inf_nan=False)
+    warmup_steps: int = Field(default=100, ge=0, le=MAX_STEPS)
+    weight_decay: float = Field(default=0.01, ge=0, le=1, allow_inf_nan=False)
+    grad_clip: float = Field(default=1.0, gt=0, le=1e6, allow_inf_nan=False)
     dtype: Literal["float32", "bfloat16"] = "float32"
-    block_size: int = Field(default=32, ge=1)
+    block_size: int = Field(default=32, ge=2, le=1024)
     anneal_block_size: bool = True
-    alpha: float = 0.5
-    beta: float = 0.5
-    section_weights: dict[str, float] = {
+    alpha: LossWeight = 0.5
+    beta: LossWeight = 0.5
+    section_weights: dict[str, LossWeight] = {
         "critical_objects": 1.5,
         "explanation": 1.0,
         "future_meta_behavior": 2.0,
@@ -65,8 +86,9 @@ class TrainConfig(BaseModel):
     }
     # Weights of the causal LM (clean stream) loss per response section; all 1 is the plain mean. The
     # embedded presets raise the trajectory's, whose digit tokens carry the driving error.
-    ar_section_weights: dict[str, float] = dict.fromkeys(SECTIONS, 1.0)
-    section_noise: dict[str, tuple[float, float]] = {
+    ar_section_weights: dict[str, LossWeight] = dict.fromkeys(SECTIONS, 1.0)
+    # Per section, the (a, b) of the Beta distribution its masking rate is drawn from.
+    section_noise: dict[str, tuple[BetaParameter, BetaParameter]] = {
         "critical_objects": (1.0, 2.0),
         "explanation": (1.0, 1.0),
         "future_meta_behavior": (1.0, 1.5),
@@ -75,24 +97,24 @@ class TrainConfig(BaseModel):
     # Jacobi Forcing: the trajectories folder (`fastddrive trajectories`), the block size it was collected
     # at, the window w of the progressive noise schedule (Eq. 7) and the AR loss weight w of Eq. 9.
     trajectories: str | None = Field(default=None, validate_default=True)
-    jacobi_block_size: int = Field(default=16, ge=1)
-    noise_window: int = Field(default=16, ge=1)
-    ar_weight: float = Field(default=1.0, ge=0)
+    jacobi_block_size: int = Field(default=16, ge=1, le=1024)
+    noise_window: int = Field(default=16, ge=1, le=1024)
+    ar_weight: LossWeight = 1.0
     # Jacobi Forcing: weight of a causal LM loss on a batch of the data's own labelled answers (its train split),
     # added at every step; 0 leaves it out. Eq. 9's AR loss reads only the teacher's answers, on which a small
     # student drifts (its greedy answers stop parsing); the labels keep its clean predictions on the task.
-    labelled_ar_weight: float = Field(default=0.0, ge=0)
+    labelled_ar_weight: LossWeight = 0.0
     # Leave out trajectories whose fixed point does not parse as a driving answer (tests of random
     # teachers, whose answers never parse, keep them).
     skip_unparsed: bool = True
-    explanation_budget: int = Field(default=32, ge=1)
+    explanation_budget: int = Field(default=32, ge=1, le=4096)
     scaffold_tokenization: Literal["pieces", "runs"] = "pieces"  # "runs" for real BPE vocabularies (scaffold.py)
-    checkpoint_every: int = Field(default=200, ge=1)
-    keep_checkpoints: int = Field(default=2, ge=1)
-    validate_every: int = Field(default=200, ge=1)
-    validation_samples: int = Field(default=16, ge=1)
-    log_every: int = Field(default=10, ge=1)
-    seed: int = 0
+    checkpoint_every: int = Field(default=200, ge=1, le=MAX_STEPS)
+    keep_checkpoints: int = Field(default=2, ge=1, le=1000)
+    validate_every: int = Field(default=200, ge=1, le=MAX_STEPS)
+    validation_samples: int = Field(default=16, ge=1, le=100_000)
+    log_every: int = Field(default=10, ge=1, le=MAX_STEPS)
+    seed: int = Field(default=0, ge=0, le=2**32 - 1)
 
     @field_validator("section_weights", "ar_section_weights", "section_noise")
     @classmethod
@@ -122,8 +144,8 @@ class TrainConfig(BaseModel):
     @field_validator("block_size")
     @classmethod
     def _power_of_two(cls, value: int) -> int:
-        if value < 2 or value & (value - 1):
-            raise ValueError(f"block_size must be a power of two >= 2, got {value}")
+        if value & (value - 1):
+            raise ValueError(f"block_size must be a power of two in [2, 1024], got {value}")
         return value
 
 
@@ -135,8 +157,55 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in presets_dir().glob("*.yaml"))
 
 
+def _constraints(annotation: Any, metadata: list[Any]) -> tuple[Any, list[Any]]:
+    """The type under `Annotated[...]` and the constraints (annotated_types bounds) on it."""
+    if get_origin(annotation) is Annotated:
+        inner, *extras = get_args(annotation)
+        return inner, metadata + [c for extra in extras for c in getattr(extra, "metadata", [extra])]
+    return annotation, metadata
+
+
+def _setting_range(loc: tuple[int | str, ...]) -> str | None:
+    """The documented range of the numeric setting at `loc` ("an integer in [0, 4294967295]"), from its
+    Field bounds; None for a setting that is not a bounded number."""
+    annotation: Any = TrainConfig
+    metadata: list[Any] = []
+    for part in loc:
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            field = annotation.model_fields.get(str(part))
+            if field is None:
+                return None
+            annotation, metadata = _constraints(field.annotation, list(field.metadata))
+        elif get_origin(annotation) is dict:
+            annotation, metadata = _constraints(get_args(annotation)[1], [])
+        elif get_origin(annotation) is tuple and isinstance(part, int) and part < len(get_args(annotation)):
+            annotation, metadata = _constraints(get_args(annotation)[part], [])
+        else:
+            return None
+    bounds = {name: getattr(c, name) for c in metadata for name in ("ge", "gt", "le", "lt") if hasattr(c, name)}
+    if annotation not in (int, float) or not bounds.keys() & {"ge", "gt"}:
+        return None
+    kind = "an integer" if annotation is int else "a finite number"
+    low = f"[{bounds['ge']}" if "ge" in bounds else f"({bounds['gt']}"
+    high = f"{bounds['le']}]" if "le" in bounds else f"{bounds['lt']})" if "lt" in bounds else None
+    return f"{kind} in {low}, {high}" if high else f"{kind} {'>=' if 'ge' in bounds else '>'} {low[1:]}"
+
+
+def _config_error(source: Path, err: ValidationError) -> ConfigError:
+    """One line naming the first bad key: its range and the value given for a number out of range."""
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    if first["type"] == "extra_forbidden":
+        return ConfigError(f"{source}: {where}: unknown key")
+    expected = _setting_range(first["loc"]) if first["type"] not in ("missing", "value_error") else None
+    if expected is not None:
+        return ConfigError(f"{source}: {where} must be {expected}, got {first['input']!r}")
+    return ConfigError(f"{source}: {where}: {first['msg'].removeprefix('Value error, ')}")
+
+
 def load_config(preset: str | None = None, path: str | Path | None = None, **overrides: object) -> TrainConfig:
-    """A preset by name or a YAML file, with overrides (None values ignored); errors name the bad key."""
+    """A preset by name or a YAML file, with overrides (None values ignored); errors name the bad key and, for
+    a number, its range."""
     if (preset is None) == (path is None):
         raise ConfigError("give exactly one of a preset name or a config path")
     if preset is not None:
@@ -147,16 +216,15 @@ def load_config(preset: str | None = None, path: str | Path | None = None, **ove
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path} is not valid YAML: {err}") from None
+        raw = yaml.safe_load(path.read_bytes().decode("utf-8")) or {}
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not UTF-8 text; a config is a YAML file") from None
+    except (yaml.YAMLError, RecursionError) as err:
+        raise ConfigError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of settings")
     raw.update({k: v for k, v in overrides.items() if v is not None})
     try:
         return TrainConfig.model_validate(raw)
     except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        message = "unknown key" if first["type"] == "extra_forbidden" else first["msg"].removeprefix("Value error, ")
-        raise ConfigError(f"{path}: {where}: {message}") from None
+        raise _config_error(path, err) from None

@@ -32,7 +32,7 @@ from fastddrive.schema import SECTIONS, ResponseError, parse
 from fastddrive.train.collate import IGNORE
 from fastddrive.train.config import ConfigError, TrainConfig
 from fastddrive.train.progressive_noise import noisy_blocks
-from fastddrive.train.trajectories import Trajectory, TrajectoryError, read_trajectories
+from fastddrive.train.trajectories import Trajectory, TrajectoryError, TrajectorySet, read_trajectories
 
 
 def answer_sections(ids: Sequence[int], scaffold: Scaffold) -> np.ndarray:
@@ -207,27 +207,43 @@ def pack_batch(
     )
 
 
+def checked_trajectories(config: TrainConfig) -> TrajectorySet:
+    """The trajectories of `config.trajectories`, checked against the config before any model loads: collected
+    at `jacobi_block_size`, on the samples of `config.data`."""
+    collected = read_trajectories(config.trajectories)
+    settings = collected.settings
+    if settings.get("block_size") != config.jacobi_block_size:
+        raise ConfigError(
+            f"{config.trajectories} was collected at block size {settings.get('block_size')}, "
+            f"not the configured jacobi_block_size {config.jacobi_block_size}"
+        )
+    if not isinstance(settings.get("split"), str):
+        raise ConfigError(f"{config.trajectories}: its manifest names no split of the data")
+    rows = DrivingDataset.open(config.data).table(settings["split"], columns=["sample_id"]).to_pylist()
+    for trajectory in collected.trajectories:
+        if trajectory.index >= len(rows) or rows[trajectory.index]["sample_id"] != trajectory.sample_id:
+            raise ConfigError(
+                f"{config.trajectories} was collected on other data than {config.data} "
+                f"(sample {trajectory.index} of split {settings['split']!r} is not {trajectory.sample_id})"
+            )
+    return collected
+
+
 class JacobiForcingCollator:
     """Training batches of the `jf` recipe: the trajectories of `config.trajectories` with their samples'
     prompts, read from the split of `config.data` they were collected on. With `config.skip_unparsed` a
     trajectory whose answer does not parse is left out (`left_out` counts them): both losses would teach
     the broken answer, and a round-2 teacher's few broken answers would be trained back into it."""
 
-    def __init__(self, model: BlockDiffusionModel, scaffold: Scaffold, config: TrainConfig) -> None:
-        collected = read_trajectories(config.trajectories)
-        settings = collected.settings
-        if settings["block_size"] != config.jacobi_block_size:
-            raise ConfigError(
-                f"{config.trajectories} was collected at block size {settings['block_size']}, "
-                f"not the configured jacobi_block_size {config.jacobi_block_size}"
-            )
-        rows = DrivingDataset.open(config.data).table(settings["split"]).to_pylist()
-        for trajectory in collected.trajectories:
-            if trajectory.index >= len(rows) or rows[trajectory.index]["sample_id"] != trajectory.sample_id:
-                raise ConfigError(
-                    f"{config.trajectories} was collected on other data than {config.data} "
-                    f"(sample {trajectory.index} of split {settings['split']!r} is not {trajectory.sample_id})"
-                )
+    def __init__(
+        self,
+        model: BlockDiffusionModel,
+        scaffold: Scaffold,
+        config: TrainConfig,
+        collected: TrajectorySet | None = None,
+    ) -> None:
+        collected = collected or checked_trajectories(config)
+        rows = DrivingDataset.open(config.data).table(collected.settings["split"]).to_pylist()
         self.model = model
         self.scaffold = scaffold
         self.trajectories = [

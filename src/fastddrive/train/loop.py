@@ -7,6 +7,8 @@ from a checkpoint takes exactly the steps an uninterrupted run would have taken.
 from __future__ import annotations
 
 import csv
+import hashlib
+import io
 import json
 import math
 import time
@@ -23,8 +25,10 @@ from accelerate.state import AcceleratorState
 
 from fastddrive.data.sample import DrivingDataset, DrivingSample, from_row
 from fastddrive.eval.accuracy import evaluate_greedy_ar
+from fastddrive.memory import check_allocation
 from fastddrive.model import BlockDiffusionModel, CheckpointInfo
 from fastddrive.model_files import (
+    check_model_folder,
     ensure_diffusion_tokens,
     load_model,
     model_path,
@@ -32,20 +36,24 @@ from fastddrive.model_files import (
     tiny_image_processor,
     tiny_qwen2_5_vl,
 )
+from fastddrive.outputs import OutputError, check_folder_destination, owner, write_json, write_text
 from fastddrive.scaffold import Scaffold
 from fastddrive.tokenizer import default_tokenizer_path, load_tokenizer
 from fastddrive.train.checkpoint import (
+    Checkpoint,
     latest_checkpoint,
     list_checkpoints,
     optimizer_state,
+    remove_leftovers,
     save_checkpoint,
     scheduler_state,
 )
 from fastddrive.train.collate import Batch, DualStreamCollator
 from fastddrive.train.config import ConfigError, TrainConfig
-from fastddrive.train.jacobi_forcing import JacobiForcingBatch, JacobiForcingCollator
+from fastddrive.train.jacobi_forcing import JacobiForcingBatch, JacobiForcingCollator, checked_trajectories
 from fastddrive.train.losses import LossParts, jacobi_forcing_loss, sasd_loss
 from fastddrive.train.noise import annealed_block_size
+from fastddrive.train.trajectories import TrajectorySet
 
 LOG_FILE = "log.csv"
 LOG_COLUMNS = (
@@ -62,6 +70,26 @@ LOG_COLUMNS = (
     "val_ade5",
     "val_invalid",
 )
+# Settings that say where things are or what is reported, not what is trained: a resumed run may change them
+# (the data set and the trajectories are compared by their fingerprints instead of their paths).
+RESUME_FREE_SETTINGS = frozenset(
+    {
+        "out",
+        "data",
+        "trajectories",
+        "init_from",
+        "log_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "validate_every",
+        "validation_samples",
+    }
+)
+
+
+class NonFiniteLoss(ConfigError):
+    """A training step whose loss (or gradient) is NaN or infinite: the run stops there, keeping its last
+    checkpoint and saving no final model (issue 32). A config or data problem: exit status 2."""
 
 
 @dataclass
@@ -77,18 +105,12 @@ class TrainReport:
 
 def initial_model(config: TrainConfig) -> BlockDiffusionModel:
     """The starting point: a tiny Qwen2.5-VL from scratch, an embedded checkpoint, or a local folder."""
-    if config.init_from == "scratch":
+    path = _init_path(config)
+    if path is None:
         tokenizer = load_tokenizer(default_tokenizer_path())
         model = tiny_qwen2_5_vl(tokenizer, **config.architecture.model_dump(), seed=config.seed)
         wrapper = BlockDiffusionModel(model, tokenizer, tiny_image_processor(config.image_max_pixels))
     else:
-        path = (
-            model_path(config.init_from.split(":", 1)[1])
-            if config.init_from.startswith("embedded:")
-            else Path(config.init_from)
-        )
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"init_from {config.init_from!r}: {path} holds no model (config.json is missing)")
         wrapper = load_model(path, training=True)
     ensure_diffusion_tokens(wrapper)
     wrapper.info = CheckpointInfo(
@@ -185,16 +207,17 @@ def validate(
 
 def _truncate_log(out: Path, resumed_from: int) -> None:
     """Drop the log's rows after the step a run (re)starts from: the model never kept them (all of them when
-    it starts over because no checkpoint was usable)."""
+    it starts over because no checkpoint was usable). Rewritten atomically."""
     path = out / LOG_FILE
     if not path.is_file():
         return
     with path.open() as handle:
         kept = [r for r in csv.DictReader(handle) if r.get("step") and int(r["step"]) <= resumed_from]
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, LOG_COLUMNS)
-        writer.writeheader()
-        writer.writerows(kept)
+    text = io.StringIO()
+    writer = csv.DictWriter(text, LOG_COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(kept)
+    write_text(path, text.getvalue())
 
 
 def _append_log(out: Path, row: dict[str, Any]) -> None:
@@ -207,14 +230,157 @@ def _append_log(out: Path, row: dict[str, Any]) -> None:
         writer.writerow({k: row.get(k, "") for k in LOG_COLUMNS})
 
 
+def _init_path(config: TrainConfig) -> Path | None:
+    """The model folder `init_from` names (None for 'scratch'), checked without loading it."""
+    if config.init_from == "scratch":
+        return None
+    if config.init_from.startswith("embedded:"):
+        path = model_path(config.init_from.split(":", 1)[1])
+    else:
+        path = Path(config.init_from)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"init_from {config.init_from!r}: {path} holds no model (config.json is missing)")
+    return path
+
+
+def _check_out(config: TrainConfig, init: Path | None) -> Path:
+    """`out` is a folder of the run's own: not a file, not one of its inputs or inside one, not a data set or
+    a model folder, not in the installed package, writable."""
+    out = Path(config.out)
+    check_folder_destination(out, "out", inputs=(config.data, config.trajectories, init))
+    what = owner(out.resolve())
+    if what is not None:
+        raise OutputError(f"out {out}: that is {what}; give the run a folder of its own")
+    return out
+
+
+def dataset_fingerprint(dataset: DrivingDataset) -> str:
+    """sha256 of the data set's shard records (size and sha256 of every shard): two data sets with the same
+    fingerprint hold the same samples. A data set written before shards were recorded: of its manifest."""
+    records = dataset.records if dataset.records is not None else dataset.manifest
+    return hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()
+
+
+def run_record(config: TrainConfig, dataset: DrivingDataset, trajectories: TrajectorySet | None) -> dict[str, Any]:
+    """What each checkpoint records of its run, for `--resume` to compare: the config, and fingerprints of the
+    data set and of the trajectories (the jf recipe)."""
+    return {
+        "config": json.loads(json.dumps(config.model_dump(mode="json"))),
+        "data": dataset_fingerprint(dataset),
+        "trajectories": trajectories.digest if trajectories is not None else None,
+    }
+
+
+def run_changes(recorded: dict[str, Any], current: dict[str, Any], config: TrainConfig) -> list[str]:
+    """How this run differs from the one a checkpoint recorded (settings a resume may change left out)."""
+    changes = []
+    if recorded.get("data") != current["data"]:
+        changes.append(f"it was trained on another data set than {config.data} (their shard records differ)")
+    if recorded.get("trajectories") != current["trajectories"]:
+        changes.append(f"it was trained on other trajectories than {config.trajectories}")
+    before, now = recorded.get("config") or {}, current["config"]
+    for key in sorted(set(before) | set(now)):
+        if key not in RESUME_FREE_SETTINGS and before.get(key) != now.get(key):
+            changes.append(f"{key} was {_short(before.get(key))}, now {_short(now.get(key))}")
+    return changes
+
+
+def _short(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_resume(
+    checkpoint: Checkpoint, current: dict[str, Any], config: TrainConfig, allow: bool, say: Callable[[str], None]
+) -> None:
+    """Refuse to resume a checkpoint of another data set or config unless allowed (then say what changed)."""
+    recorded = checkpoint.state.get("run")
+    if not isinstance(recorded, dict):
+        say(f"{checkpoint.path.name} records no config or data fingerprint (an older fastddrive's): not compared")
+        return
+    changes = run_changes(recorded, current, config)
+    if not changes:
+        return
+    if allow:
+        say(f"resuming {checkpoint.path.name} with changes: {'; '.join(changes)}")
+        return
+    more = f" (and {len(changes) - 3} more)" if len(changes) > 3 else ""
+    raise ConfigError(
+        f"--resume: {checkpoint.path} differs from this run: {'; '.join(changes[:3])}{more}; pass "
+        "--resume-with-changes to continue it anyway, or give another --out"
+    )
+
+
+def _model_sizes(config: TrainConfig, source: Path | None) -> tuple[int, int, int, int]:
+    """(vocabulary, width, layers, parameters built from scratch) of the model a run starts from, without
+    loading or building it: a folder is checked from its headers, a scratch model is built on the meta device."""
+    if source is not None:
+        folder = check_model_folder(source)
+        return folder.vocab_size, folder.hidden_size, folder.layers, 0
+    tokenizer = load_tokenizer(default_tokenizer_path())
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        model = tiny_qwen2_5_vl(tokenizer, **config.architecture.model_dump(), seed=config.seed)
+    parameters = sum(p.numel() for p in model.parameters())
+    return len(tokenizer), config.architecture.hidden_size, config.architecture.layers, parameters
+
+
+def check_training_memory(config: TrainConfig, source: Path | None, device: torch.device) -> None:
+    """Refuse a run whose batch (or scratch model) cannot fit the memory budget, before anything is written.
+
+    A lower bound, so that no run that fits is refused: per sequence position the logits in float32 with
+    their softmax and the bf16 or float32 copy (10 bytes a vocabulary entry) and four saved activations a
+    layer; a sample's positions are its image tokens (28 x 28 pixels each), 64 of text and its answer in
+    every stream (SASD: two noisy copies and the clean one; Jacobi Forcing: noisy and clean blocks). A model
+    built from scratch adds its weights, gradients and AdamW moments (16 bytes a parameter)."""
+    vocab, width, layers, parameters = _model_sizes(config, source)
+    streams = {"ar": 1, "sasd": 3, "jf": 2}[config.recipe]
+    budget = config.explanation_budget + 128
+    tokens = config.image_max_pixels // (28 * 28) + 64 + streams * budget
+    samples = config.batch_size * (2 if config.labelled_ar_weight else 1)
+    activation = 2 if config.dtype == "bfloat16" else 4
+    estimate = samples * tokens * (vocab * 10 + layers * width * 4 * activation) + parameters * 16
+    model = f"{parameters:,} parameters from scratch" if parameters else f"width {width}, {layers} layers"
+    check_allocation(
+        f"training batch_size={config.batch_size} (about {tokens} positions a sample, vocabulary {vocab}, {model})",
+        estimate,
+        device,
+    )
+
+
+def _non_finite_term(parts: LossParts, recipe: str) -> str | None:
+    """Which loss term of a step is NaN or infinite ("the noisy loss is nan"), None when all are finite."""
+    names = {"noisy": "consistency" if recipe == "jf" else "noisy", "clean": "AR" if recipe == "jf" else "clean"}
+    for attr in ("noisy", "clean", "labelled"):
+        value = getattr(parts, attr)
+        if value is not None and not torch.isfinite(value).all():
+            return f"the {names.get(attr, attr)} loss is {value.item()}"
+    return None if torch.isfinite(parts.total).all() else f"the loss is {parts.total.item()}"
+
+
+def _stop(step: int, problem: str, out: Path) -> NonFiniteLoss:
+    kept = list_checkpoints(out)
+    last = f"the last good checkpoint, {kept[-1].name}, is kept" if kept else "no checkpoint had been written yet"
+    return NonFiniteLoss(
+        f"training stopped at step {step}: {problem}; no final model is saved and {last} in {out}; lower lr or "
+        "check the data and the loss weights (resuming with a changed config needs --resume-with-changes)"
+    )
+
+
 def train(
     config: TrainConfig,
     resume: bool = False,
     on_step: Callable[[int, int, dict[str, float]], None] | None = None,
     say: Callable[[str], None] = print,
     stop_after: int | None = None,
+    allow_changes: bool = False,
 ) -> TrainReport:
-    """Run (or resume) a training run; `stop_after` ends it early at that step, as an interruption would."""
+    """Run (or resume) a training run; `stop_after` ends it early at that step, as an interruption would.
+
+    Everything is checked before anything is written (issue 32): the config, `out`, the data set, the
+    trajectories, the starting model's files, the memory the batches need, and on `resume` the checkpoint's
+    files (a damaged one is reported and the previous one used) and that it was trained on this data set
+    with this config (`allow_changes` lifts that). The run stops at the first non-finite loss, keeping its
+    last checkpoint (NonFiniteLoss)."""
     transformers.utils.logging.disable_progress_bar()  # per-checkpoint "writing shards" bars drown the progress
     # Accelerate keeps mixed precision in a per-process singleton; a second run in one process (a notebook,
     # the tests) may use another precision. The distributed state (PartialState) is kept.
@@ -222,18 +388,28 @@ def train(
     accelerator = Accelerator(
         mixed_precision="bf16" if config.dtype == "bfloat16" else "no", cpu=not torch.cuda.is_available()
     )
-    out = Path(config.out)
-    DrivingDataset.open(config.data)  # a missing or foreign data folder is refused before anything is written
-    existing = list_checkpoints(out)
+    init = _init_path(config)
+    out = _check_out(config, init)
+    dataset = DrivingDataset.open(config.data)  # a missing or foreign data folder is refused before anything else
+    rows = dataset.table("train").to_pylist()
+    if not rows:
+        raise ConfigError(f"{config.data} has no training samples")
+    val_rows = dataset.table("val").to_pylist()[: config.validation_samples] or rows[: config.validation_samples]
+    val_samples = [from_row(r) for r in val_rows]
+    trajectories = checked_trajectories(config) if config.recipe == "jf" else None
+    record = run_record(config, dataset, trajectories)
+
     checkpoint = None
     if resume:
         checkpoint = latest_checkpoint(out, warn=say)
         if checkpoint is None:
             say(f"no usable checkpoint in {out}: starting from the beginning")
-    elif existing:
+        else:
+            _check_resume(checkpoint, record, config, allow_changes, say)
+    elif list_checkpoints(out):
         raise ConfigError(f"{out} already holds checkpoints; pass --resume to continue or choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "train_config.json").write_text(json.dumps(config.model_dump(), indent=2))
+    source = checkpoint.path if checkpoint else init
+    check_training_memory(config, source, accelerator.device)
 
     model = load_model(checkpoint.path, training=True) if checkpoint else initial_model(config)
     model.model.to(accelerator.device).train()
@@ -243,18 +419,21 @@ def train(
         scaffold_tokenization=config.scaffold_tokenization,
     )
     # A Jacobi Forcing model stays an AR model: it is validated as the AR recipe's are.
-    jacobi = JacobiForcingCollator(model, scaffold, config) if config.recipe == "jf" else None
+    jacobi = JacobiForcingCollator(model, scaffold, config, trajectories) if trajectories is not None else None
     if jacobi is not None and jacobi.left_out:
         say(f"{jacobi.left_out} trajectories left out of {len(jacobi) + jacobi.left_out}: their answers do not parse")
     collator = DualStreamCollator(
         model, scaffold, config.model_copy(update={"recipe": "ar"}) if jacobi is not None else config
     )
-    dataset = DrivingDataset.open(config.data)
-    rows = dataset.table("train").to_pylist()
-    if not rows:
-        raise ConfigError(f"{config.data} has no training samples")
-    val_rows = dataset.table("val").to_pylist()[: config.validation_samples] or rows[: config.validation_samples]
-    val_samples = [from_row(r) for r in val_rows]
+
+    # Everything is checked: from here on the run writes.
+    if accelerator.is_main_process:
+        leftovers = remove_leftovers(out)
+        if leftovers:
+            say(f"removed {len(leftovers)} leftover temporary folder(s) of an interrupted save: {leftovers[0].name}")
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "train_config.json", config.model_dump(mode="json"))
+    accelerator.wait_for_everyone()
 
     optimizer = torch.optim.AdamW(model.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
@@ -264,7 +443,7 @@ def train(
         scheduler.load_state_dict(scheduler_state(checkpoint.path))
         start = checkpoint.step
         say(f"resuming from {checkpoint.path.name} (step {start})")
-    if resume:
+    if resume and accelerator.is_main_process:
         _truncate_log(out, start)
     model.model, optimizer, scheduler = accelerator.prepare(model.model, optimizer, scheduler)
 
@@ -274,6 +453,7 @@ def train(
     window_start, window_steps = time.perf_counter(), 0
     end = min(config.steps, stop_after) if stop_after is not None else config.steps
     for step in range(start, end):
+        done = step + 1
         mine = rank_picks([config.seed, step], len(jacobi) if jacobi is not None else len(rows), config, world, rank)
         if jacobi is not None:
             block = config.jacobi_block_size
@@ -291,15 +471,21 @@ def train(
             rng = np.random.default_rng([config.seed, step, rank, 1])
             with accelerator.autocast():
                 parts = samples_loss(model, collator, [from_row(rows[i]) for i in mine], block, rng, config)
+        problem = _non_finite_term(parts, config.recipe)
+        if world > 1:  # every process stops together, or the others would wait for it forever
+            flags = accelerator.reduce(torch.tensor([int(problem is not None)], device=accelerator.device), "sum")
+            problem = problem or ("the loss of another process is not finite" if flags.item() else None)
+        if problem is not None:
+            raise _stop(done, problem, out)
         accelerator.backward(parts.total)
-        if config.grad_clip:
-            accelerator.clip_grad_norm_(model.model.parameters(), config.grad_clip)
+        norm = accelerator.clip_grad_norm_(model.model.parameters(), config.grad_clip)
+        if norm is not None and not torch.isfinite(torch.as_tensor(norm)).all():
+            raise _stop(done, f"the gradient norm is {float(norm)} (the loss is {parts.total.item()})", out)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         window_steps += 1
 
-        done = step + 1
         metrics = {
             "loss": parts.total.item(),
             "noisy_loss": parts.noisy.item(),
@@ -319,7 +505,8 @@ def train(
                 _append_log(out, {"step": done, **last_validation})
             metrics |= last_validation
         if (done % config.checkpoint_every == 0 or done == end) and accelerator.is_main_process:
-            save_checkpoint(out, done, model, optimizer, scheduler, {"preset": config.name}, config.keep_checkpoints)
+            state = {"preset": config.name, "run": record}
+            save_checkpoint(out, done, model, optimizer, scheduler, state, config.keep_checkpoints)
         accelerator.wait_for_everyone()
         if on_step and accelerator.is_main_process:
             on_step(done, config.steps, metrics)

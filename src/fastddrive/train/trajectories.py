@@ -5,17 +5,17 @@ from its first guess to its fixed point, are kept: the states Jacobi Forcing tra
 The fixed points concatenated are the teacher's greedy answer (Eq. 4).
 
 A trajectories folder holds `manifest.json` and JSON shards of `SHARD_SAMPLES` samples each. A shard is
-written to a temporary file and renamed, and the manifest (rewritten the same way after each shard)
-holds every shard's size and sha256, checked whenever the shard is read. Sample k's initial guesses are
-seeded with (seed, k), so a rerun after an interruption collects the missing shards exactly as an
-uninterrupted run would have.
+written to a temporary file, flushed to disk and renamed (`outputs.write_bytes`), and the manifest
+(rewritten the same way after each shard) holds every shard's size and sha256, checked whenever the shard
+is read. Sample k's initial guesses are seeded with (seed, k), so a rerun after an interruption collects
+the missing shards exactly as an uninterrupted run would have.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -27,7 +27,8 @@ import numpy as np
 from fastddrive.data.sample import DrivingDataset, from_row
 from fastddrive.decode.jacobi import Answer, Guesser, jacobi_blocks
 from fastddrive.model import BlockDiffusionModel, PromptInputs
-from fastddrive.model_files import model_path, read_info
+from fastddrive.model_files import check_model_folder, model_path, read_info
+from fastddrive.outputs import OutputError, check_folder_destination, is_temporary, owner, write_bytes
 from fastddrive.planner import prompt_inputs
 from fastddrive.scaffold import Scaffold
 from fastddrive.train.config import ConfigError
@@ -89,21 +90,21 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def _weights_sha256(path: Path) -> str:
+    """sha256 of the weight files one after the other, read in chunks (a 3B model's are 7 GB)."""
     digest = hashlib.sha256()
     for weights in sorted(path.glob("*.safetensors")):
-        digest.update(weights.read_bytes())
+        with weights.open("rb") as handle:
+            while chunk := handle.read(1 << 24):
+                digest.update(chunk)
     return digest.hexdigest()
 
 
 def _shard_name(k: int) -> str:
     return f"shard-{k:05d}.json"
+
+
+_SHARD = re.compile(r"^shard-\d{5}\.json$")
 
 
 @dataclass
@@ -130,13 +131,22 @@ def plan_collection(
     and split exist and hold `samples` samples (chosen by `seed`), and `out` holds nothing else."""
     if samples < 1:
         raise TrajectoryError(f"samples must be at least 1, got {samples}")
-    if block_size < 1:
-        raise TrajectoryError(f"block size must be at least 1, got {block_size}")
-    if seed < 0:
-        raise TrajectoryError(f"seed must be >= 0, got {seed}")
+    if not 1 <= block_size <= 1024:
+        raise TrajectoryError(f"block size must be in [1, 1024], got {block_size}")
+    if seed < 0 or seed >= 2**32:
+        raise TrajectoryError(f"seed must be in [0, 4294967295], got {seed}")
     path = model_path(model)
+    check_folder_destination(out, "--out", inputs=(data, path))
+    what = owner(Path(out).resolve())
+    if what is not None and not (Path(out) / MANIFEST).is_file():  # a manifest is read below: ours or refused
+        raise OutputError(f"--out {out}: that is {what}; give a folder of its own for the trajectories")
+    if Path(out).is_dir() and not (Path(out) / MANIFEST).is_file():
+        others = sorted(p.name for p in Path(out).iterdir() if not (is_temporary(p) or _SHARD.match(p.name)))
+        if others:
+            raise OutputError(f"--out {out}: it holds {others[0]} and no trajectories; give a new or empty folder")
     if not (path / "config.json").is_file():
         raise TrajectoryError(f"model {model!r}: {path} holds no model (config.json is missing)")
+    check_model_folder(path)
     kind = read_info(path).kind
     if kind != "autoregressive":
         raise TrajectoryError(f"model {model!r} is a {kind} checkpoint; the teacher must be an AR one (default-ar)")
@@ -184,8 +194,9 @@ def collect_trajectories(
     """Collect the planned trajectories shard by shard; shards already in `plan.out` and intact are kept."""
     out = plan.out
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob(".*.tmp-*"):  # left by an interrupted write
-        stale.unlink()
+    for stale in out.iterdir():  # left by an interrupted write
+        if is_temporary(stale) and stale.is_file():
+            stale.unlink()
     manifest = {"format": FORMAT, "version": 1, "settings": plan.settings, "shards": [], "complete": False}
     if (out / MANIFEST).is_file():
         manifest["shards"] = _read_manifest(out)["shards"]
@@ -216,11 +227,11 @@ def collect_trajectories(
             tokens, forwards, collected = tokens + len(answer), forwards + trajectory.forwards, collected + 1
             on_sample(trajectory)
         data = json.dumps({"format": FORMAT, "trajectories": [asdict(t) for t in trajectories]}).encode()
-        _write_atomically(out / _shard_name(k), data)
+        write_bytes(out / _shard_name(k), data)
         entry = {"shard": k, "file": _shard_name(k), "samples": len(trajectories), "bytes": len(data)}
         manifest["shards"] = sorted([*manifest["shards"], entry | {"sha256": _sha256(data)}], key=lambda e: e["shard"])
         manifest["complete"] = len(manifest["shards"]) == plan.shards
-        _write_atomically(out / MANIFEST, json.dumps(manifest, indent=2).encode())
+        write_bytes(out / MANIFEST, json.dumps(manifest, indent=2).encode())
     return CollectionReport(collected, skipped, time.perf_counter() - began, tokens, forwards)
 
 
@@ -229,11 +240,23 @@ def _read_manifest(folder: Path) -> dict[str, Any]:
     if not path.is_file():
         raise TrajectoryError(f"{folder} holds no trajectories ({MANIFEST} is missing); collect them first")
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise TrajectoryError(f"{path} is not UTF-8 text; it is not a trajectories manifest") from None
     except json.JSONDecodeError as err:
         raise TrajectoryError(f"{path} is not valid JSON: {err.msg}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise TrajectoryError(f"{path} is not a trajectories manifest")
+    if not isinstance(manifest.get("settings"), dict):
+        raise TrajectoryError(f"{path} is damaged: its 'settings' entry is not a JSON object")
+    shards = manifest.get("shards")
+    keys = {"shard": int, "file": str, "bytes": int, "sha256": str}
+    if not isinstance(shards, list) or not all(
+        isinstance(e, dict) and all(isinstance(e.get(k), t) for k, t in keys.items()) for e in shards
+    ):
+        raise TrajectoryError(f"{path} is damaged: its 'shards' entry is not a list of shard records")
+    if any(Path(e["file"]).name != e["file"] for e in shards):
+        raise TrajectoryError(f"{path} is damaged: a shard record names a file outside {folder}")
     return manifest
 
 
@@ -252,6 +275,7 @@ def _verified_shard(folder: Path, entry: dict[str, Any]) -> bytes:
 class TrajectorySet:
     settings: dict[str, Any]
     trajectories: list[Trajectory]
+    digest: str  # sha256 of the manifest's shard records: what a training checkpoint records of them
 
 
 def read_trajectories(folder: str | Path) -> TrajectorySet:
@@ -269,4 +293,5 @@ def read_trajectories(folder: str | Path) -> TrajectorySet:
         except TrajectoryError as err:
             raise TrajectoryError(f"{err}; rerun the same collection to collect it again") from None
         trajectories += [Trajectory(**t) for t in shard["trajectories"]]
-    return TrajectorySet(manifest["settings"], trajectories)
+    digest = _sha256(json.dumps(manifest["shards"], sort_keys=True).encode())
+    return TrajectorySet(manifest["settings"], trajectories, digest)
