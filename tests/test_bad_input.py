@@ -2,6 +2,7 @@
 in the API), and nothing is left behind: the table of issue-16 probes for the CLI, the API, model folders and
 devices."""
 
+import json
 import shutil
 
 import numpy as np
@@ -82,10 +83,27 @@ def damaged_models(tmp_path_factory):
         "config": (damaged("config", lambda f: (f / "config.json").write_text("{oops")), "not valid JSON"),
         "info": (damaged("info", lambda f: (f / "fastddrive.json").write_text('{"bogus": 1}')), "fastddrive.json"),
         "tokenizer": (damaged("tokenizer", lambda f: (f / "tokenizer_config.json").unlink()), "tokenizer"),
+        "empty-tokenizer": (
+            damaged("empty-tokenizer", lambda f: (f / "tokenizer.json").write_text("{}")),
+            "tokenizer.json is not a tokenizer",
+        ),
+        "fewer-layers": (
+            damaged("fewer-layers", lambda f: (f / "config.json").write_text(_fewer_layers(f / "config.json"))),
+            "model.layers.2.input_layernorm.weight, a tensor the model described by config.json does not have",
+        ),
     }
 
 
-@pytest.mark.parametrize("case", ["truncated", "missing", "pickle", "config", "info", "tokenizer"])
+def _fewer_layers(config_file):
+    """config.json with 2 of the model's 4 layers: the weights hold layers the config does not."""
+    config = json.loads(config_file.read_text())
+    config["text_config"].update(num_hidden_layers=2, layer_types=["full_attention"] * 2)
+    return json.dumps(config)
+
+
+@pytest.mark.parametrize(
+    "case", ["truncated", "missing", "pickle", "config", "info", "tokenizer", "empty-tokenizer", "fewer-layers"]
+)
 def test_a_damaged_model_folder_is_named_in_one_line(damaged_models, case):
     folder, message = damaged_models[case]
     with pytest.raises(ModelFileError, match=message):
@@ -159,9 +177,9 @@ def test_plan_json_exits_1_when_the_answer_does_not_parse(monkeypatch, tmp_path)
 
 
 def test_the_demo_folder_may_be_new_but_not_inside_a_file(tmp_path):
-    from fastddrive.outputs import OutputError, check_demo_folder
+    from fastddrive.outputs import OutputError, check_folder_destination
 
-    check_demo_folder(tmp_path / "runs" / "demo")  # a fresh checkout has no runs/ yet: made when written
+    check_folder_destination(tmp_path / "runs" / "demo", "--out", own_folder=True)  # made when written
     (tmp_path / "file").write_text("x")
     with pytest.raises(OutputError, match="is a file"):
-        check_demo_folder(tmp_path / "file" / "demo")
+        check_folder_destination(tmp_path / "file" / "demo", "--out", own_folder=True)

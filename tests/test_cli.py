@@ -182,7 +182,7 @@ def test_plan_from_an_image_history_and_command(small_dataset, tmp_path):
         (["--history", "not json", "--command", "go_straight"], "not valid JSON"),
         (["--history", "missing.json", "--command", "go_straight"], "does not exist"),
         (["--history", json.dumps([[0.0] * 6] * 7), "--command", "fly"], "unknown navigation command"),
-        (["--image", "missing.png", "--history", "[]", "--command", "go_straight"], "cannot read image"),
+        (["--image", "missing.png", "--history", "[]", "--command", "go_straight"], "image missing.png is not a file"),
         (["--decoder", "beam"], "unknown decoder 'beam'"),
         (["--option", "tau"], "KEY=VALUE"),
     ],
@@ -238,8 +238,8 @@ def test_pvf_calibrate_writes_a_vocabulary_that_pvf_reads(small_dataset, tmp_pat
         (("--samples", 0), "greater than or equal to 1"),
     ],
 )
-def test_pvf_calibrate_refuses_bad_input(small_dataset, args, message):
-    result = _run("pvf", "calibrate", "--data", small_dataset, *args)
+def test_pvf_calibrate_refuses_bad_input(small_dataset, tmp_path, args, message):
+    result = _run("pvf", "calibrate", "--data", small_dataset, "--out", tmp_path / "v.json", *args)
     assert result.exit_code == 2
     assert message in result.output
 
@@ -275,5 +275,6 @@ def test_export_and_conversion_refuse_bad_input_in_one_line(small_dataset, tmp_p
     assert result.exit_code == 2 and "unknown --format 'kitti'" in result.output
     result = _run("data", "nuscenes", "--dataroot", tmp_path / "none", "--out", tmp_path / "y")
     assert result.exit_code == 2 and "scene.json is missing" in result.output
-    result = _run("data", "wod-e2e", "--src", tmp_path, "--out", tmp_path / "z")
+    (tmp_path / "src").mkdir()
+    result = _run("data", "wod-e2e", "--src", tmp_path / "src", "--out", tmp_path / "z")
     assert result.exit_code == 2 and "holds no release JSON files" in result.output

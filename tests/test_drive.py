@@ -5,6 +5,7 @@ Stub planners stand in for the model wherever the model is not the point; the em
 """
 
 import json
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -146,11 +147,11 @@ def test_bad_settings_are_refused_with_a_typed_error_naming_the_problem():
         check_settings(decoders="ar,ss", latency="fixed:ar=7855")
     with pytest.raises(LatencyError, match="'tts'"):
         check_settings(decoders="ar", latency="fixed:ar=1,tts=2")
-    with pytest.raises(DriveError, match="replan_s"):
+    with pytest.raises(DriveError, match="--replan-s"):
         check_settings(replan_s=0.3)
-    with pytest.raises(DriveError, match="duration_s"):
+    with pytest.raises(DriveError, match="--duration-s"):
         check_settings(duration_s=2.0)
-    with pytest.raises(DriveError, match="episodes"):
+    with pytest.raises(DriveError, match="--episodes"):
         check_settings(episodes=0)
     with pytest.raises(DeviceError, match="'tpu'"):
         check_settings(device="tpu")
@@ -207,11 +208,14 @@ def test_the_embedded_model_drives_with_measured_latency_and_video(tmp_path):
     )
     report = run_drive(settings)
     (row,) = report.rows
-    assert row["planner_calls"] >= 2 and row["invalid_answers"] == 0
+    assert row["planner_calls"] >= 1 and row["invalid_answers"] == 0
     assert row["latency_ms"] > 1 and row["latency_ms"] == pytest.approx(row["measured_ms"])
     (result,) = [json.loads(p.read_text()) for p in (tmp_path / "episodes").glob("*.json")]
     for asked, due, active, charged, *_ in result["plans"]:
         assert due == pytest.approx(asked + charged / 1000) and (active is None or active >= due - 1e-9)
+    # How many questions fit in 2 s of driving depends on this machine's speed; each waits for the last answer.
+    for (_, due, *_), (asked, *_) in pairwise(result["plans"]):
+        assert asked >= due - 1e-9
     (gif,) = (tmp_path / "video").glob("*.gif")
     assert gif.stat().st_size > 10_000
     assert {"decoder", "episodes", "collision_rate", "offroad_rate", "route_completion", "driving_score"} <= set(row)

@@ -281,8 +281,9 @@ def test_a_planning_draft_that_changes_the_impact_set_is_rejected(tokenizer, tmp
 
 def test_calibration_writes_a_vocabulary_that_pvf_uses(embedded, scenes, tmp_path):
     data = tmp_path / "data"
-    write_shard(data / "val" / "00000-few.parquet", scenes[:3])
-    (data / MANIFEST).write_text(json.dumps({"format": DATASET_FORMAT}))
+    record = write_shard(data / "val" / "00000-few.parquet", scenes[:3])
+    manifest = {"format": DATASET_FORMAT, "version": 2, "settings": {}, "complete": True}
+    (data / MANIFEST).write_text(json.dumps(manifest | {"shards": {"val/00000-few.parquet": record}}))
     seen = []
     vocabulary, path = calibrate_split(
         "default",

@@ -1,5 +1,6 @@
 """The tour `fastddrive demo` gives: fresh simulator scenes planned by several decoders, one answer printed,
-pictures of every plan and the speed-accuracy frontier written to a folder."""
+pictures of every plan and the speed-accuracy frontier written to a folder (each file atomically), a folder
+checked before any work."""
 
 from __future__ import annotations
 

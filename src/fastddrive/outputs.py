@@ -142,26 +142,26 @@ def check_folder_destination(
     *,
     inputs: Iterable[Path | str | None] = (),
     owned: Iterable[Path | str | None] = (),
+    own_folder: bool = False,
 ) -> Path:
     """`path` if a command may write a folder there (made when missing), else OutputError: a file, a folder
     inside a file, one of the command's `inputs` or a folder inside or around one, a folder inside a data set,
-    a model folder or the installed package (the folder itself may be one if it is in `owned`), or a place
-    that cannot be written."""
+    a model folder or the installed package (unless inside a folder of `owned`), or a place that cannot be
+    written. The folder itself may be a data set or model folder (a command resuming or replacing its own),
+    unless `own_folder`: a command that fills a folder of its own (pictures, results) is refused one."""
     path = Path(path)
     if os.path.lexists(path) and not path.is_dir():
         raise OutputError(f"{option} {path}: that is a file; give a folder")
     resolved = _resolved(path)
+    what = owner(resolved) if own_folder else None
+    if what is not None:
+        raise OutputError(f"{option} {path}: that is {what}; give a folder of its own")
     _check_not_input(resolved, option, inputs)
     _check_not_owned(path, option, owned, resolved.parent)  # the folder itself may be a data set: its command's
     if resolved == PACKAGE_ROOT or _is_within(resolved, PACKAGE_ROOT):
         raise OutputError(f"{option} {path}: that is inside the installed fastddrive package; give a folder outside it")
     _check_writable(path, option, resolved)
     return path
-
-
-def check_demo_folder(out: Path) -> None:
-    """The demo's --out: a folder of pictures (made when missing)."""
-    check_folder_destination(out, "--out")
 
 
 def is_temporary(path: Path) -> bool:

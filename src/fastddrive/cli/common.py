@@ -33,6 +33,7 @@ console = Console(width=None if sys.stdout.isatty() else 160)
 
 @app.callback()
 def settings(
+    context: typer.Context,
     memory_budget: Annotated[
         str | None,
         typer.Option(
@@ -47,7 +48,17 @@ def settings(
     if memory_budget is not None:
         with user_errors():
             parse_budget(memory_budget, machine_memory_bytes())
+        before = os.environ.get(BUDGET_ENV)
         os.environ[BUDGET_ENV] = memory_budget
+        # A command run in-process (a test, a notebook) leaves the environment as it found it.
+        context.call_on_close(lambda: _restore(BUDGET_ENV, before))
+
+
+def _restore(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 @contextmanager
@@ -66,7 +77,7 @@ def user_errors() -> Iterator[None]:
     from fastddrive.random_init import UnknownPreset
     from fastddrive.schema import ResponseError
     from fastddrive.serve.loadtest import LoadTestError
-    from fastddrive.tokenizer import MissingDiffusionTokens
+    from fastddrive.tokenizer import MissingDiffusionTokens, TokenizerError
     from fastddrive.train.checkpoint import CheckpointError
     from fastddrive.train.config import ConfigError
 
@@ -77,6 +88,7 @@ def user_errors() -> Iterator[None]:
         SampleError,
         ResponseError,
         MissingDiffusionTokens,
+        TokenizerError,
         ConfigError,
         CheckpointError,
         DecoderError,

@@ -20,35 +20,50 @@ def drive_command(
     scenarios: Annotated[str, typer.Option(help="Comma-separated scenarios.")] = (
         "highway,merge,exit,roundabout,intersection"
     ),
-    episodes: Annotated[int, typer.Option(min=1, help="Episodes per scenario; every planner drives the same.")] = 20,
-    seed: Annotated[int, typer.Option(help="Episode j of scenario s uses seed * 100000 + 5 j + (s's index).")] = 7,
+    episodes: Annotated[
+        int, typer.Option(min=1, max=20_000, help="Episodes per scenario; every planner drives the same.")
+    ] = 20,
+    seed: Annotated[
+        int,
+        typer.Option(
+            min=0, help="Episode j of scenario s uses seed * 100000 + 5 j + (s's index); 0 to 92233720368546."
+        ),
+    ] = 7,
     latency: Annotated[
-        str, typer.Option(help="measured, zero, fixed:MS, or fixed:ar=MS,ss=MS,... one value per decoder.")
+        str,
+        typer.Option(help="measured, zero, fixed:MS, or fixed:ar=MS,ss=MS,... one value per decoder (MS: 0 to 60000)."),
     ] = "measured",
     replan_s: Annotated[
-        float, typer.Option("--replan-s", help="Simulated seconds between questions (a multiple of 0.25).")
+        float, typer.Option("--replan-s", help="Simulated seconds between questions (a multiple of 0.25, at most 5).")
     ] = 0.5,
     duration_s: Annotated[
-        float | None, typer.Option("--duration-s", help="Episode length in simulated seconds (default 40, 25).")
+        float | None,
+        typer.Option(
+            "--duration-s", help="Episode length in simulated seconds, over 3.25 and at most 300 (default 40, 25)."
+        ),
     ] = None,
     references: Annotated[
         bool, typer.Option(help="Also drive the expert (in the seat and as a planner) and constant velocity.")
     ] = True,
     device: Annotated[str, typer.Option(help="cpu, cuda, ...")] = "cpu",
-    out: Annotated[Path, typer.Option(help="Per-episode results (a re-run resumes) and summary.png.")] = Path(
-        "runs/drive"
-    ),
+    out: Annotated[
+        Path, typer.Option(help="Folder of the per-episode results (a re-run resumes) and summary.png.")
+    ] = Path("runs/drive"),
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the rows as JSON.")] = None,
     video: Annotated[Path | None, typer.Option(help="Write one GIF per episode into this folder.")] = None,
 ) -> None:
-    """Closed-loop driving in highway-env, each decoder's latency charged to the simulation clock."""
+    """Closed-loop driving in highway-env, each decoder's latency charged to the simulation clock.
+
+    Every setting and the places written (--out, --video, --json) are checked before anything is loaded or
+    driven; an episode that fails is reported, the others complete, and the exit status is 1."""
     from fastddrive.drive.run import check_settings, run_drive, title
     from fastddrive.drive.summary import rows_table, scenario_table
+    from fastddrive.model_files import model_path
     from fastddrive.outputs import check_file_destination, write_json
 
     with user_errors():
         if json_out is not None:
-            check_file_destination(json_out, "--json", suffixes=(".json",), owned=(out,))
+            check_file_destination(json_out, "--json", suffixes=(".json",), inputs=(model_path(model),), owned=(out,))
         settings = check_settings(
             model=model,
             decoders=decoders,
@@ -98,5 +113,8 @@ def drive_command(
         write_json(json_out, report.to_json())
         console.print(f"wrote {json_out}")
     if report.failures:
-        console.print(f"[red]{len(report.failures)} episode(s) failed; rerun the same command to retry them[/]")
+        console.print(
+            f"[red]{len(report.failures)} episode(s) failed (above); the others are kept in {out}, and the same "
+            "command drives only the failed ones again[/]"
+        )
         raise typer.Exit(1)

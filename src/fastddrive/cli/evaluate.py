@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from fastddrive.cli.common import app, console, progress_bar, user_errors
 
@@ -19,14 +21,15 @@ def eval_command(
     data: Annotated[Path, typer.Option(help="Dataset folder.")] = Path("runs/sim"),
     split: Annotated[str, typer.Option(help="train, val or test.")] = "test",
     decoders: Annotated[str, typer.Option(help="Comma-separated decoders, options as sd:tau=0.0.")] = "ar",
-    limit: Annotated[int | None, typer.Option(min=1, help="Evaluate only the first N samples.")] = None,
+    limit: Annotated[int | None, typer.Option(min=1, max=1_000_000, help="Evaluate only the first N samples.")] = None,
     device: Annotated[str, typer.Option(help="cpu, cuda, ...")] = "cpu",
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the figures as JSON.")] = None,
 ) -> None:
     """Accuracy per decoder on a split: ADE@3s/5s (and constant velocity), RFS, L2, collisions, CO-F1, meta.
 
-    Data parallel under `accelerate launch --num_processes N -m fastddrive.cli eval ...`: each process answers
-    a share of the split, and the main process prints the same table as one process."""
+    A sample that does not read or decode is reported by shard and sample id, the others are scored, and the
+    exit status is 1. Data parallel under `accelerate launch --num_processes N -m fastddrive.cli eval ...`:
+    each process answers a share of the split, and the main process prints the same table as one process."""
     import fastddrive
     from fastddrive.data.sample import DatasetError, DrivingDataset
     from fastddrive.decode.registry import parse_decoder_spec, split_decoders
@@ -37,7 +40,7 @@ def eval_command(
 
     with user_errors():
         if json_out is not None:
-            check_file_destination(json_out, "--json", suffixes=(".json",), inputs=(data,))
+            check_file_destination(json_out, "--json", suffixes=(".json",), inputs=(data, *_model_folders(model)))
         specs = split_decoders(decoders)
         parsed = dict(zip(specs, (parse_decoder_spec(spec) for spec in specs), strict=True))
         dataset = DrivingDataset.open(data)
@@ -64,14 +67,38 @@ def eval_command(
             "'parsed': over the answers that parse",
         )
     )
-    for spec, r in reports.items():
-        for failure in r.failures:
-            Console(stderr=True).print(f"[bold red]{spec} failed on[/] {failure}", highlight=False)
     console.print(scenario_table(reports))
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
         write_json(json_out, {"model": model, "split": split, "decoders": accuracy_json(reports)})
         console.print(f"wrote {json_out}")
+    failed = {str(row["sample_id"]) for r in reports.values() for row in r.per_sample if "error" in row}
+    if failed:
+        by_line: dict[str, list[str]] = {}  # an unreadable sample fails every decoder alike: one line
+        for spec, r in reports.items():
+            for line in r.failures:
+                by_line.setdefault(line, []).append(spec)
+        _report_failures([f"{line} ({', '.join(specs)})" for line, specs in by_line.items()])
+        _fail(f"{len(failed)} of {n} samples failed (listed above); the figures are over the others")
+
+
+def _model_folders(*names: str | None) -> tuple[Path, ...]:
+    """The folders of the models a command reads: inputs its outputs must stay out of."""
+    from fastddrive.model_files import model_path
+
+    return tuple(model_path(name) for name in names if name)
+
+
+def _report_failures(lines: list[str]) -> None:
+    """Each failure on stderr, one line each."""
+    errors = Console(stderr=True)
+    for line in lines:
+        errors.print(f"[bold red]failed:[/] {escape(line)}", highlight=False, soft_wrap=True)
+
+
+def _fail(message: str) -> None:
+    """The last line of a run that completed with failures: exit status 1."""
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
 
 
 @app.command("bench")
@@ -84,11 +111,13 @@ def bench_command(
     ] = "default",
     data: Annotated[Path | None, typer.Option(help="Dataset folder (its --split is used).")] = None,
     split: Annotated[str, typer.Option(help="train, val or test (with --data).")] = "test",
-    scenes: Annotated[int, typer.Option(help="Without --data: time this many fresh simulator scenes.")] = 10,
+    scenes: Annotated[
+        int, typer.Option(min=1, max=1000, help="Without --data: time this many fresh simulator scenes.")
+    ] = 10,
     decoders: Annotated[
         str, typer.Option(help="Comma-separated decoders, 'all', options as sd:tau=0.0:block_size=16.")
     ] = "all",
-    samples: Annotated[int, typer.Option(min=2, help="With --data: time this many of its scenes.")] = 50,
+    samples: Annotated[int, typer.Option(min=2, max=5000, help="With --data: time this many of its scenes.")] = 50,
     baseline: Annotated[
         str | None, typer.Option(help="Also time this separately trained AR model writing JSON freely.")
     ] = None,
@@ -109,14 +138,18 @@ def bench_command(
             "the speed bound at perfect acceptance."
         ),
     ] = False,
-    seed: Annotated[int, typer.Option(help="Seed of the fresh scenes (without --data).")] = 7,
+    seed: Annotated[
+        int, typer.Option(min=0, help="Seed of the fresh scenes (without --data), 0 to 92233720368546.")
+    ] = 7,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the rows as JSON.")] = None,
     png: Annotated[Path | None, typer.Option(help="Write the speed-accuracy frontier as PNG.")] = None,
 ) -> None:
     """Every decoder on the same scenes in one process: NFE, tokens/NFE, tokens/s, latency, speed-up, ADE.
 
-    Data parallel under `accelerate launch --num_processes N -m fastddrive.cli bench --data ...`: the timed
-    scenes are shared among the processes, and the main process prints the table."""
+    A scene that does not read or decode is reported by shard and sample id and left out of every row, the
+    others complete, and the exit status is 1. Data parallel under `accelerate launch --num_processes N -m
+    fastddrive.cli bench --data ...`: the timed scenes are shared among the processes, and the main process
+    prints the table."""
     import torch
 
     import fastddrive
@@ -128,15 +161,17 @@ def bench_command(
 
     device = device_of_process(device)
     with user_errors():
+        inputs = (data, *_model_folders(None if random_init else model, baseline))
         if json_out is not None:
-            check_file_destination(json_out, "--json", suffixes=(".json",), inputs=(data,))
+            check_file_destination(json_out, "--json", suffixes=(".json",), inputs=inputs)
         if png is not None:
-            check_file_destination(png, "--png", suffixes=(".png",), inputs=(data,))
+            check_file_destination(png, "--png", suffixes=(".png",), inputs=inputs)
         specs = list(DECODERS) if decoders == "all" else split_decoders(decoders)
         parsed = [parse_decoder_spec(spec) for spec in specs]
         from fastddrive.eval.roofline import parse_dtype
 
         weights = parse_dtype(dtype) if dtype else None
+        chosen = bench_scenes(data, split, seed, (samples if data else scenes) + 1)
         if random_init is not None:
             from fastddrive.random_init import random_init_model
 
@@ -159,34 +194,37 @@ def bench_command(
                 baseline=True,
             )
             runs.insert(0, free)
-        chosen = bench_scenes(data, split, seed, (samples if data else scenes) + 1)
-    rows, _ = _run_bench(runs, chosen, f"{model}: {len(chosen) - 1} scenes, medians ({device})")
+    result = _run_bench(runs, chosen, lambda timed: f"{model}: {timed} scenes, medians ({device})")
     if not is_main_process():
         return
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"model": model, "device": device, "rows": [r.to_json() for r in rows]}
-        write_json(json_out, payload)
+        rows = [r.to_json() for r in result.rows]
+        write_json(json_out, {"model": model, "device": device, "rows": rows, "failures": result.failures})
         console.print(f"wrote {json_out}")
     if png is not None:
-        draw_frontier([r.to_json() for r in rows], png, title=f"{model}, {len(chosen) - 1} scenes, {device}")
+        title = f"{model}, {len(result.scenes)} scenes, {device}"
+        draw_frontier([r.to_json() for r in result.rows], png, title=title)
         console.print(f"wrote {png}")
+    if result.failures:
+        _report_failures(result.failures)
+        _fail(f"{len(result.failures)} scene(s) failed (listed above) and are in no row; the rows are over the others")
 
 
-def _run_bench(runs: list, scenes: list, title: str) -> tuple[list, dict]:
-    """Run the decoders with a progress bar and print the table (on the main process); (rows, per-scene results)."""
-    from fastddrive.eval.bench import run_bench
+def _run_bench(runs: list, scenes: list, title: Callable[[int], str]):
+    """Run the decoders with a progress bar and print the table (on the main process, titled by `title` of the
+    number of scenes in the rows); the BenchResult."""
+    from fastddrive.eval.bench import readable, run_bench
     from fastddrive.eval.parallel import is_main_process, share
     from fastddrive.eval.report import bench_table
 
     main = is_main_process()
-    with progress_bar(disable=not main) as progress:
-        total = len(runs) * len(share(scenes[1:]))  # this process's share of the timed scenes
+    with progress_bar(disable=not main) as progress, user_errors():
+        total = len(runs) * len(share(readable(scenes)[1:]))  # this process's share of the timed scenes
         task = progress.add_task("decoding", total=total, note=f"{len(runs)} decoders")
-        rows, results = run_bench(runs, scenes, on_result=lambda: progress.update(task, advance=1))
+        result = run_bench(runs, scenes, on_result=lambda: progress.update(task, advance=1))
     if main:
-        console.print(bench_table(rows, title))
-    return rows, results
+        console.print(bench_table(result.rows, title(len(result.scenes))))
+    return result
 
 
 @app.command("roofline")
@@ -204,8 +242,8 @@ def roofline_command(
     tokens: Annotated[
         str | None, typer.Option(help="Comma-separated new tokens per forward (default: 1,2,4,...,512).")
     ] = None,
-    repeats: Annotated[int, typer.Option(min=1, help="Timed forwards per token count.")] = 20,
-    warmup: Annotated[int, typer.Option(min=0, help="Untimed forwards per token count first.")] = 3,
+    repeats: Annotated[int, typer.Option(min=1, max=10_000, help="Timed forwards per token count.")] = 20,
+    warmup: Annotated[int, typer.Option(min=0, max=1000, help="Untimed forwards per token count first.")] = 3,
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Write the rows, bandwidth and floor as JSON.")
     ] = None,
@@ -224,12 +262,13 @@ def roofline_command(
     from fastddrive.outputs import check_file_destination, write_json
 
     with user_errors():
+        inputs = _model_folders(None if random_init else model)
         if json_out is not None:
-            check_file_destination(json_out, "--json", suffixes=(".json",))
+            check_file_destination(json_out, "--json", suffixes=(".json",), inputs=inputs)
         if png is not None:
-            check_file_destination(png, "--png", suffixes=(".png",))
+            check_file_destination(png, "--png", suffixes=(".png",), inputs=inputs)
         counts = parse_tokens(tokens) if tokens else list(DEFAULT_TOKENS)
-        loaded, name = roofline_model(model, random_init, device, dtype, cuda_graphs)
+        loaded, name = roofline_model(model, random_init, device, dtype, cuda_graphs, tokens=counts)
     with progress_bar() as progress:
         task = progress.add_task("forwards", total=len(counts) * (warmup + repeats), note=f"{len(counts)} sizes")
         result = measure_roofline(loaded, counts, repeats, warmup, lambda: progress.update(task, advance=1))
@@ -249,25 +288,35 @@ def roofline_command(
 @app.command("demo")
 def demo_command(
     out: Annotated[Path, typer.Option(help="Folder for the pictures and the JSON answer.")] = Path("runs/demo"),
-    scenes: Annotated[int, typer.Option(help="Fresh simulator scenes to plan (one more warms up).")] = 6,
-    seed: Annotated[int, typer.Option(help="Seed of the fresh scenes.")] = 2026,
+    scenes: Annotated[
+        int, typer.Option(min=1, max=100, help="Fresh simulator scenes to plan (one more warms up).")
+    ] = 6,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the fresh scenes, 0 to 92233720368546.")] = 2026,
     model: Annotated[str, typer.Option(help="'default' or a local block-diffusion model folder.")] = "default",
 ) -> None:
     """The tour: fresh simulator scenes planned by ar, ar-jump, sd, ss and tts; a table, an answer, pictures."""
     import fastddrive
     from fastddrive.demo import demo_runs, write_demo
-    from fastddrive.eval.bench import bench_scenes
-    from fastddrive.outputs import check_demo_folder
+    from fastddrive.eval.bench import bench_scenes, check_seed
+    from fastddrive.outputs import check_folder_destination
 
     with user_errors():
-        check_demo_folder(out)
+        check_folder_destination(out, "--out", inputs=_model_folders(model), own_folder=True)
+        check_seed(seed)
         console.print(f"simulating {scenes + 1} fresh scenes (seed {seed}) and loading {model} ...")
         chosen = bench_scenes(None, "test", seed, scenes + 1)
         planner = fastddrive.load(model)
     runs = demo_runs(planner)
-    rows, results = _run_bench(runs, chosen, f"{model} on {scenes} fresh scenes, medians (CPU)")
-    timed = chosen[1:]
-    console.print(f"[bold]ss answer for {timed[0].sample_id}[/] ({timed[0].scenario}, {timed[0].command}):")
-    console.print(results["ss"][0].text, highlight=False, soft_wrap=True)
-    write_demo(out, f"{model}, {scenes} scenes, CPU", runs, timed, rows, results)
-    console.print(f"wrote {len(timed)} scene pictures, frontier.png and answer.json to {out}")
+    result = _run_bench(runs, chosen, lambda timed: f"{model} on {timed} fresh scenes, medians (CPU)")
+    if not result.scenes:
+        _report_failures(result.failures)
+        _fail("every scene failed (listed above): nothing to show")
+    first = result.scenes[0]
+    console.print(f"[bold]ss answer for {first.sample_id}[/] ({first.scenario}, {first.command}):")
+    console.print(result.results["ss"][0].text, highlight=False, soft_wrap=True)
+    title = f"{model}, {len(result.scenes)} scenes, CPU"
+    write_demo(out, title, runs, result.scenes, result.rows, result.results)
+    console.print(f"wrote {len(result.scenes)} scene pictures, frontier.png and answer.json to {out}")
+    if result.failures:
+        _report_failures(result.failures)
+        _fail(f"{len(result.failures)} scene(s) failed (listed above) and are in no row")

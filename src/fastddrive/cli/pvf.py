@@ -16,30 +16,37 @@ def pvf_calibrate(
     model: Annotated[str, typer.Option(help="'default' or a local block-diffusion model folder.")] = "default",
     data: Annotated[Path, typer.Option(help="Dataset folder.")] = Path("runs/sim"),
     split: Annotated[str, typer.Option(help="The calibration split: train, val or test.")] = "val",
-    samples: Annotated[int | None, typer.Option(min=1, help="Calibrate on the first N scenes (default: all).")] = None,
+    samples: Annotated[
+        int | None, typer.Option(min=1, max=100_000, help="Calibrate on the first N scenes (default: all).")
+    ] = None,
     out: Annotated[
-        Path | None, typer.Option(help="Where to write the vocabulary (default: pvf_vocabulary.json in the model).")
+        Path | None,
+        typer.Option(
+            help="Where to write the vocabulary (a .json file, or a folder for pvf_vocabulary.json); default: the "
+            "model's folder, which a model shipped in the package ('default', ...) never is: give --out for one."
+        ),
     ] = None,
     device: Annotated[str, typer.Option(help="cpu, cuda, ...")] = "cpu",
 ) -> None:
     """Choose the planning vocabulary of `pvf`: run the base decoder on a split and keep the tokens whose
     drafts in the calibration band verify often and cut uncertainty (paper 001 Appendix A.2)."""
-    from fastddrive.data.sample import DrivingDataset
     from fastddrive.eval.pvf_calibration import calibrate_split
 
-    with user_errors():
-        DrivingDataset.open(data).table(split)  # a bad folder or split fails here, before the model loads
-        with progress_bar() as progress:
-            task = progress.add_task("calibrating", total=None, note="scenes")
+    progress = progress_bar()
+    task = progress.add_task("calibrating", total=None, note="scenes")
+
+    def advance(done: int, total: int) -> None:
+        progress.start()  # at the first scene: every check and the model load came before
+        progress.update(task, completed=done, total=total)
+
+    try:
+        with user_errors():
             vocabulary, path = calibrate_split(
-                model,
-                data,
-                split,
-                out=out,
-                samples=samples,
-                device=device,
-                progress=lambda done, total: progress.update(task, completed=done, total=total),
+                model, data, split, out=out, samples=samples, device=device, progress=advance
             )
+    finally:
+        if progress.live.is_started:  # stopping a bar never shown would print an empty line
+            progress.stop()
     table = Table(title=f"planning vocabulary of {model}: {len(vocabulary.tokens)} tokens")
     for column in ("token", "id", "events", "verifiable", "verified rate", "gain"):
         table.add_column(column, justify="left" if column == "token" else "right")

@@ -17,6 +17,7 @@ from typing import Literal
 from fastddrive.drive import DriveError
 
 MODES = ("measured", "fixed:MS", "fixed:DECODER=MS,...", "zero")
+MAX_FIXED_MS = 60_000.0  # a minute of simulated time per answer: twelve times the 5 s a plan covers
 
 
 class LatencyError(DriveError):
@@ -45,8 +46,10 @@ def _milliseconds(text: str, spec: str) -> float:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise LatencyError(f"latency {spec!r}: {text!r} is not a latency in milliseconds (a number >= 0)")
+    if not math.isfinite(value) or not 0 <= value <= MAX_FIXED_MS:
+        raise LatencyError(
+            f"latency {spec!r}: {text!r} is not a latency in milliseconds (a number from 0 to {MAX_FIXED_MS:g})"
+        )
     return value
 
 

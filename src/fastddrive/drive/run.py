@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from fastddrive.data.build import SEED_STRIDE
+from fastddrive.data.build import MAX_SEED, SEED_STRIDE
 from fastddrive.data.highway import FRAME_SIZE_PX, SCENARIOS, check_scenarios
 from fastddrive.data.sample import HISTORY_COLUMNS, HISTORY_STEPS
 from fastddrive.decode.registry import parse_decoder_spec, split_decoders
@@ -42,12 +42,13 @@ from fastddrive.drive.policies import (
 )
 from fastddrive.drive.summary import draw_summary, summarise
 from fastddrive.drive.video import write_gif
-from fastddrive.outputs import write_bytes
+from fastddrive.outputs import check_folder_destination, write_bytes
 from fastddrive.planner import Planner
 from fastddrive.schema import NUM_WAYPOINTS, WAYPOINT_INTERVAL_S
 
 RESULT_VERSION = 1  # bump when an episode's result would change for the same settings: old ones are not reused
 MAX_REPLAN_S = NUM_WAYPOINTS * WAYPOINT_INTERVAL_S  # a plan covers 5 s
+MAX_DURATION_S = 300.0  # 7.5 times the longest scenario; a video holds 4 frames a second of it
 
 
 class DriveSettings(BaseModel):
@@ -59,7 +60,7 @@ class DriveSettings(BaseModel):
     decoders: tuple[str, ...] = ("ss",)
     scenarios: tuple[str, ...] = tuple(SCENARIOS)
     episodes: int = Field(1, ge=1, le=SEED_STRIDE // len(SCENARIOS))
-    seed: int = Field(7, ge=0)
+    seed: int = 7
     latency: Latency = Latency("measured")
     replan_s: float = 0.5
     duration_s: float | None = None  # None: each scenario's own duration (40 s; the intersection 25 s)
@@ -67,6 +68,16 @@ class DriveSettings(BaseModel):
     device: str = "cpu"
     out: Path = Path("runs/drive")
     video: Path | None = None
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value: int) -> int:
+        if not 0 <= value <= MAX_SEED:
+            raise ValueError(
+                f"{value} is out of range: give 0 to {MAX_SEED} (episode j of scenario s is seeded "
+                f"seed * {SEED_STRIDE} + 5 j + s, a non-negative 64-bit integer)"
+            )
+        return value
 
     @field_validator("replan_s")
     @classmethod
@@ -79,8 +90,11 @@ class DriveSettings(BaseModel):
     @field_validator("duration_s")
     @classmethod
     def _duration(cls, value: float | None) -> float | None:
-        if value is not None and not value > HANDOVER_S + RECORD_S:
-            raise ValueError(f"must leave driving time after the {HANDOVER_S} s hand-over, got {value}")
+        if value is not None and not HANDOVER_S + RECORD_S < value <= MAX_DURATION_S:
+            raise ValueError(
+                f"must leave driving time after the {HANDOVER_S} s hand-over and be at most {MAX_DURATION_S:g} s, "
+                f"got {value}"
+            )
         return value
 
     @property
@@ -119,10 +133,23 @@ def check_settings(
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(part) for part in first["loc"])
-        raise DriveError(f"{where}: {str(first['msg']).removeprefix('Value error, ')}") from None
+        raise DriveError(f"--{where.replace('_', '-')}: {str(first['msg']).removeprefix('Value error, ')}") from None
     if not settings.labels:
         raise DriveError("nothing to drive: no decoder and no reference planners")
+    check_destinations(settings)
     return settings
+
+
+def check_destinations(settings: DriveSettings) -> None:
+    """OutputError unless the results folder and the video folder can be written: folders (made when missing),
+    not the model's folder, a data set or the installed package, nor inside one."""
+    from fastddrive.model_files import model_path
+
+    model = model_path(settings.model) if settings.decoders else None
+    for option, folder in (("--out", settings.out), ("--video", settings.video)):
+        if folder is None:
+            continue
+        check_folder_destination(folder, option, inputs=(model,), own_folder=True)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from fastddrive.outputs import atomic_file  # noqa: E402
+
 RATES = {"collision_rate": "collision", "offroad_rate": "offroad"}
 MEANS = ("route_completion", "driving_score", "mean_speed_mps", "jerk_mps3", "lat_accel_mps2", "ttc_violations")
 
@@ -126,7 +128,9 @@ def draw_summary(rows: Sequence[dict[str, Any]], path: Path, title: str = "") ->
     right.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        with atomic_file(path) as tmp:  # a summary is whole or as it was
+            fig.savefig(tmp, dpi=110)
+    finally:
+        plt.close(fig)
     return path

@@ -6,21 +6,21 @@ does: waypoints JMT-upsampled to 4 Hz as it does (`eval/jmt.py`), an answer that
 zero trajectory and counted, and ADE / RFS over the rated frames only where the split has raters (its ground
 truth keeps only frames with rater scores). nuScenes L2 and collisions on the plan resampled at 2 Hz
 (t = 0.5..3 s), collisions the ST-P3 / VAD raster way and with the exact rotated-box test. A sample whose
-decoding raises is reported in `failures`, left out of every figure, and the others complete.
+decoding raises, or that does not read back from its shard (a NaN history, a damaged image), is reported in
+`failures` by shard and sample id, left out of every figure, and the others complete (issue 32).
 `evaluate_split` shares a split among the processes of `accelerate launch` and merges their samples' outcomes
 before any figure is computed, so the figures are those of one process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Any
 
 import numpy as np
 
-from fastddrive.data.sample import FUTURE_STEPS, DrivingDataset, DrivingSample
+from fastddrive.data.sample import FUTURE_STEPS, DatasetError, DrivingDataset, DrivingSample, SampleError, from_row
 from fastddrive.decode.registry import DecoderError, decode
 from fastddrive.eval.jmt import jmt_upsample
 from fastddrive.eval.metrics import (
@@ -149,6 +149,52 @@ def _mean(values: list[float]) -> float:
     return float(np.mean(values)) if values else float("nan")
 
 
+@dataclass(frozen=True)
+class StoredSample:
+    """A sample of a dataset split as stored: where it is (`where`: its shard and id) and the sample, or why it
+    does not read back as one (`problem`; `sample` is None then)."""
+
+    where: str
+    sample_id: str
+    scenario: str
+    sample: DrivingSample | None = None
+    problem: str | None = None
+
+
+def _problem(err: Exception) -> str:
+    return str(err) if isinstance(err, (SampleError, DatasetError)) else f"{type(err).__name__}: {err}"
+
+
+def stored_samples(
+    dataset: DrivingDataset, split: str, start: int = 0, stop: int | None = None
+) -> Iterator[StoredSample]:
+    """Samples `start` to `stop` of a split in order, each read on its own, so that one that does not read (a NaN
+    history, a damaged image, a malformed answer) is reported where it is stored instead of ending the read.
+    A shard that is missing or fails its checksum is still a DatasetError: no sample of it can be trusted."""
+    index = 0
+    records = dataset.records or {}
+    for path in dataset.shards(split):
+        if stop is not None and index >= stop:
+            return
+        shard = f"{split}/{path.name}"
+        recorded = records.get(shard, {}).get("samples")
+        if recorded is not None and index + recorded <= start:  # wholly before this share: not read
+            index += recorded
+            continue
+        for k, row in enumerate(dataset._read(path, None).to_pylist()):
+            if stop is not None and index >= stop:
+                return
+            if index >= start:
+                sample_id = str(row.get("sample_id") or f"#{k}")
+                where, scenario = f"{shard} sample {sample_id}", str(row.get("scenario") or "?")
+                try:
+                    found = StoredSample(where, sample_id, scenario, from_row(row))
+                except Exception as err:  # one damaged sample is reported; the others are read on
+                    found = StoredSample(where, sample_id, scenario, problem=_problem(err))
+                yield found
+            index += 1
+
+
 @dataclass
 class SampleOutcome:
     """One sample answered: its per-sample row, and what the split's figures need (None where it failed)."""
@@ -160,16 +206,32 @@ class SampleOutcome:
     failure: str | None = None
 
 
+def _unread(stored: StoredSample) -> SampleOutcome:
+    row: dict[str, object] = {"sample_id": stored.sample_id, "scenario": stored.scenario, "valid": None}
+    row |= {"rated": False, "scored": False, "ade3_m": None, "ade5_m": None, "cv_ade3_m": None, "cv_ade5_m": None}
+    row["error"] = stored.problem
+    return SampleOutcome(row, failure=f"{stored.where}: {stored.problem}")
+
+
 def answer_samples(
     planner: Planner,
-    samples: Iterable[DrivingSample],
+    samples: Iterable[DrivingSample | StoredSample],
     decoder: str = "ar",
     options: dict[str, Any] | None = None,
     on_sample: Callable[[], None] | None = None,
 ) -> list[SampleOutcome]:
-    """Answer every sample with `decoder` and score each answer on its own (a failed decode is reported)."""
+    """Answer every sample with `decoder` and score each answer on its own. A sample that failed to read
+    (a StoredSample with a problem) or to decode is reported, named where it is stored, and left out."""
     outcomes = []
-    for sample in samples:
+    for item in samples:
+        stored = item if isinstance(item, StoredSample) else None
+        if stored is not None and stored.sample is None:
+            outcomes.append(_unread(stored))
+            if on_sample:
+                on_sample()
+            continue
+        sample = stored.sample if stored is not None else item
+        where = stored.where if stored is not None else sample.sample_id
         constant = constant_velocity_m(sample.history)
         row: dict[str, object] = {"sample_id": sample.sample_id, "scenario": sample.scenario, "valid": None}
         row |= {"rated": bool(len(sample.rater_scores)), "scored": False, "ade3_m": None, "ade5_m": None}
@@ -180,7 +242,7 @@ def answer_samples(
             raise  # a wrong decoder or option fails every sample alike
         except Exception as err:  # one failed sample is reported; the rest completes
             row["error"] = str(err)
-            outcomes.append(SampleOutcome(row, failure=f"{sample.sample_id}: {type(err).__name__}: {err}"))
+            outcomes.append(SampleOutcome(row, failure=f"{where}: {type(err).__name__}: {err}"))
             continue
         finally:
             if on_sample:
@@ -251,14 +313,15 @@ def evaluate_split(
 ) -> dict[str, AccuracyReport]:
     """Every decoder (label -> (name, options)) on the first `limit` samples of a split, data parallel: each
     process answers its share (eval/parallel.py) and every process gets the merged reports, equal to those
-    of one process. `on_decoder(label, samples of this process)` gives the per-sample progress callback."""
+    of one process, failures included (a sample that does not read is one: `stored_samples`).
+    `on_decoder(label, samples of this process)` gives the per-sample progress callback."""
     total = len(dataset.table(split, columns=["sample_id"]))
     mine = share(range(min(total, limit or total)))
     start, stop = (mine[0], mine[-1] + 1) if mine else (0, 0)
     reports = {}
     for label, (name, options) in decoders.items():
         on_sample = on_decoder(label, len(mine)) if on_decoder else None
-        samples = islice(dataset.samples(split), start, stop)
+        samples = stored_samples(dataset, split, start, stop)
         reports[label] = summarise(name, gather(answer_samples(planner, samples, name, options, on_sample)))
     return reports
 

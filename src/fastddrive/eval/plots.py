@@ -1,4 +1,6 @@
-"""Pictures people look at: trajectories drawn over the scene, the speed-accuracy frontier, the roofline."""
+"""Pictures people look at: trajectories drawn over the scene, the speed-accuracy frontier, the roofline.
+
+Each is written atomically (`outputs.atomic_file`): an interrupted or failed drawing leaves the file as it was."""
 
 from __future__ import annotations
 
@@ -12,6 +14,18 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from fastddrive.data.sample import DrivingSample  # noqa: E402
+from fastddrive.outputs import atomic_file  # noqa: E402
+
+
+def _save(fig: plt.Figure, path: str | Path, **options: object) -> Path:
+    """Save `fig` to `path` atomically (the format from its suffix) and close it."""
+    path = Path(path)
+    try:
+        with atomic_file(path) as tmp:
+            fig.savefig(tmp, **options)
+    finally:
+        plt.close(fig)
+    return path
 
 
 def draw_scene(
@@ -45,11 +59,7 @@ def draw_scene(
     ax.legend(loc="lower left", fontsize=6, framealpha=0.7)
     meta = sample.response.future_meta_behavior
     ax.set_title(title or f"{sample.sample_id}  {sample.command}  {meta.longitudinal}/{meta.lateral}", fontsize=7)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(fig, path, bbox_inches="tight")
 
 
 def draw_frontier(rows: Sequence[Mapping[str, object]], path: str | Path, title: str = "") -> Path:
@@ -70,11 +80,7 @@ def draw_frontier(rows: Sequence[Mapping[str, object]], path: str | Path, title:
     ax.set_ylabel("ADE@5s (m, log scale)")
     ax.set_title(title or "speed-accuracy frontier (lower left is better)", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(fig, path, bbox_inches="tight")
 
 
 def draw_roofline(rows: Sequence[Mapping[str, float]], floor_ms: float, path: str | Path, title: str = "") -> Path:
@@ -96,8 +102,4 @@ def draw_roofline(rows: Sequence[Mapping[str, float]], floor_ms: float, path: st
     ax.set_title(title or "decode roofline", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(fig, path, bbox_inches="tight")

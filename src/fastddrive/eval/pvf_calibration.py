@@ -6,11 +6,13 @@ calibration band becomes a planning draft of its top-1 token, verified beside th
 forward (`pvf`'s own machinery) and never committed: the event records whether the impact set was not
 empty (m_v), verified compatibility (Eq. 3, A) and the verified information gain (A times the entropy
 reduction). Tokens with enough events and verifiable events, a high verified rate and a high mean gain form
-the vocabulary, written beside the model as `pvf_vocabulary.json`.
+the vocabulary, written beside the model as `pvf_vocabulary.json`, or where `out` says: a model shipped inside
+the installed package is never written, so calibrating one needs an explicit `out` (issue 32).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,9 +20,10 @@ from typing import Any
 
 import torch
 
-from fastddrive.data.sample import DatasetError, DrivingDataset, DrivingSample, from_row
+from fastddrive.data.sample import DatasetError, DrivingDataset, DrivingSample, SampleError
 from fastddrive.decode.blocks import section_blocks
 from fastddrive.decode.planning_vocabulary import (
+    VOCABULARY_FILE,
     PlanningToken,
     PlanningVocabulary,
     vocabulary_path,
@@ -28,7 +31,10 @@ from fastddrive.decode.planning_vocabulary import (
 )
 from fastddrive.decode.pvf import DEFAULT_TAU, BlockWalker, Candidate, Proposal, Verified
 from fastddrive.decode.state import Canvas
+from fastddrive.eval.accuracy import stored_samples
 from fastddrive.model import BlockDiffusionModel, PromptInputs
+from fastddrive.model_files import model_path
+from fastddrive.outputs import PACKAGE_ROOT, OutputError, check_file_destination
 from fastddrive.planner import Planner, load
 from fastddrive.scaffold import DEFAULT_BLOCK_SIZE, Scaffold
 
@@ -39,6 +45,8 @@ DEFAULT_MIN_EVENTS = 20
 DEFAULT_MIN_VERIFIABLE = 10
 DEFAULT_MIN_VERIFIED_RATE = 0.9  # rho_ver
 DEFAULT_MIN_GAIN = 0.03  # gamma_vig
+
+MAX_SAMPLES = 100_000  # `pvf calibrate --samples`: every calibration scene is held in memory
 
 Progress = Callable[[int, int], None]  # (scenes done, scenes in all)
 
@@ -173,6 +181,53 @@ def calibrate(
     return PlanningVocabulary(tuple(kept), settings, counts)
 
 
+def _inside_package(path: Path) -> bool:
+    return Path(os.path.realpath(path)).is_relative_to(PACKAGE_ROOT)
+
+
+def vocabulary_destination(model: str | Path, out: str | Path | None, data: str | Path | None = None) -> Path:
+    """The file a calibration of `model` writes (`out`, a file or a folder; by default the model folder's
+    `VOCABULARY_FILE`), checked before any work: OutputError for a packaged model without `out`, a place
+    inside the installed package, the data set, another model folder or any other file of the model's."""
+    folder = model_path(str(model))
+    if _inside_package(folder) and out is None:
+        raise OutputError(
+            f"--out is needed: model {str(model)!r} ships inside the installed fastddrive package, which is never "
+            "written; give --out FILE.json and decode with pvf:vocabulary=FILE.json"
+        )
+    if out is None and not folder.is_dir():
+        return vocabulary_path(folder)  # no model there: loading it says so, before any calibration
+    target = Path(out) if out is not None else folder
+    if target.is_dir():
+        target = vocabulary_path(target)
+    if _inside_package(target):
+        raise OutputError(
+            f"--out {out}: that is inside the installed fastddrive package, which is never written; "
+            "give a path outside it"
+        )
+    # The model's own files are inputs (its weights, config, tokenizer): only its vocabulary may be replaced.
+    mine = folder.is_dir() and not _inside_package(folder)
+    model_files = [p for p in folder.iterdir() if p.name != VOCABULARY_FILE] if mine else []
+    return check_file_destination(
+        target, "--out", suffixes=(".json",), inputs=(data, *model_files), owned=(folder,) if mine else ()
+    )
+
+
+def calibration_scenes(data: str | Path, split: str, samples: int | None = None) -> list[DrivingSample]:
+    """The first `samples` scenes of a split (all by default); SampleError names the first that does not read
+    (its shard and id), as a calibration over a damaged split would not be the one asked for."""
+    if samples is not None and not 1 <= samples <= MAX_SAMPLES:
+        raise SampleError(f"--samples {samples}: calibrate on 1 to {MAX_SAMPLES} scenes")
+    scenes = []
+    for stored in stored_samples(DrivingDataset.open(data), split, 0, samples):
+        if stored.sample is None:
+            raise SampleError(f"{stored.where}: {stored.problem}; calibrate on a split whose samples read")
+        scenes.append(stored.sample)
+    if not scenes:
+        raise DatasetError(f"split {split!r} of {data} holds no samples to calibrate on")
+    return scenes
+
+
 def calibrate_split(
     model: str | Path,
     data: str | Path,
@@ -186,15 +241,12 @@ def calibrate_split(
 ) -> tuple[PlanningVocabulary, Path]:
     """Calibrate model `model` (a name or folder, as `fastddrive.load`) on the first `samples` scenes of
     `split` of dataset `data` (all by default) and write the vocabulary to `out` (default: beside the
-    model's weights). `settings` are `calibrate`'s keyword options. Returns the vocabulary and its file."""
-    if samples is not None and samples < 1:
-        raise ValueError(f"samples must be >= 1, got {samples}")
-    rows = DrivingDataset.open(data).table(split).to_pylist()
-    if not rows:
-        raise DatasetError(f"split {split!r} of {data} holds no samples to calibrate on")
-    scenes = [from_row(row) for row in rows[:samples]]
+    model's weights; a packaged model needs `out`: `vocabulary_destination`). `settings` are `calibrate`'s
+    keyword options. Returns the vocabulary and its file. The destination and the scenes are checked before
+    the model loads."""
+    target = vocabulary_destination(model, out, data)
+    scenes = calibration_scenes(data, split, samples)
     planner = load(model, device=device)
     vocabulary = calibrate(planner, scenes, progress=progress, **settings)
     vocabulary.settings.update({"model": str(model), "data": str(data), "split": split})
-    target = Path(out) if out is not None else vocabulary_path(planner.model.source)
     return vocabulary, write_vocabulary(vocabulary, target)
