@@ -13,7 +13,8 @@ import fastddrive
 import fastddrive.planner as planner_module
 from fastddrive.cli import app
 from fastddrive.data.sample import DatasetError, SampleError
-from fastddrive.model_files import DeviceError, ModelFileError, model_path
+from fastddrive.model_check import ModelFileError
+from fastddrive.model_files import DeviceError, model_path
 from fastddrive.train.config import ConfigError, load_config
 
 runner = CliRunner()

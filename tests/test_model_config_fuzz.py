@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastddrive.model import CheckpointInfo
-from fastddrive.model_files import ModelFileError, check_model_folder, load_model, save_model
+from fastddrive.model_check import ModelFileError, check_model_folder
+from fastddrive.model_files import load_model, save_model
 from model_fixtures import vision_model
 
 FUZZ = settings(

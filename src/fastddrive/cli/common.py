@@ -72,7 +72,8 @@ def user_errors() -> Iterator[None]:
     from fastddrive.drive import DriveError
     from fastddrive.eval.roofline import RooflineError
     from fastddrive.memory import MemoryBudgetError
-    from fastddrive.model_files import DeviceError, ModelFileError
+    from fastddrive.model_check import ModelFileError
+    from fastddrive.model_files import DeviceError
     from fastddrive.outputs import OutputError
     from fastddrive.random_init import UnknownPreset
     from fastddrive.schema import ResponseError

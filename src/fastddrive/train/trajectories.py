@@ -27,7 +27,8 @@ import numpy as np
 from fastddrive.data.sample import DrivingDataset, from_row
 from fastddrive.decode.jacobi import Answer, Guesser, jacobi_blocks
 from fastddrive.model import BlockDiffusionModel, PromptInputs
-from fastddrive.model_files import check_model_folder, model_path, read_info
+from fastddrive.model_check import check_model_folder
+from fastddrive.model_files import model_path, read_info
 from fastddrive.outputs import OutputError, check_folder_destination, is_temporary, owner, write_bytes
 from fastddrive.planner import prompt_inputs
 from fastddrive.scaffold import Scaffold
