@@ -106,9 +106,10 @@ def serve(port: int, started: Any, release: Any, isolated: bool, timeout_s: floa
     from functools import partial
 
     from fastddrive.serve.app import create_app, run
+    from fastddrive.serve.guards import listening_socket
 
     app = create_app(partial(gated_load, started, release), "ss", 8, timeout_s, isolated=isolated)
-    run(app, "127.0.0.1", port, grace_s)
+    run(app, listening_socket("127.0.0.1", port), grace_s)
 
 
 class Gate:

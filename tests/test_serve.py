@@ -389,6 +389,10 @@ def test_the_load_test_reads_the_overhead_after_the_first_burst_and_loses_no_req
     # Per request the client's latency holds the service's time, so its median overhead cannot be smaller.
     assert 0 < row.overhead_ms <= row.client_overhead_ms and row.burst_overhead_ms > 0
     assert client_counts("1,4,16", 17) == [1, 4, 16]
-    for clients, requests, message in (("1,4,16", 16, "more requests than clients"), ("1,x", 9, "positive")):
+    for clients, requests, message in (
+        ("1,4,16", 16, "more requests than clients"),
+        ("1,x", 9, "integers in"),
+        ("1,100000", 100001, r"integers in \[1, 256\]"),
+    ):
         with pytest.raises(LoadTestError, match=message):
             client_counts(clients, requests)

@@ -218,6 +218,15 @@ def test_the_caps_are_set_when_the_server_starts(planner):
         assert "tts.rollouts 2" in httpx.get(base + "/openapi.json").text
 
 
+def test_the_openapi_schema_states_this_servers_limits():
+    app = create_app(lambda: FakePlanner(), limits=ServiceLimits(max_images=3))
+    schema = app.openapi()
+    request = schema["components"]["schemas"]["PlanRequest"]["properties"]
+    assert request["images"]["maxItems"] == 3 and request["history"]["maxItems"] == 7
+    body = schema["paths"]["/v1/plan"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/PlanRequest"}
+
+
 def test_draft_ids_outside_the_vocabulary_are_a_422(url):
     vocab, length = FakePlanner.facts.vocab_size, FakePlanner.facts.answer_length
     for decoder, drafts in (("ss", [vocab] * length), ("jacobi", [10**6]), ("jacobi-mr", [vocab + 5])):
@@ -329,6 +338,24 @@ def test_listening_beyond_this_machine_without_a_key_is_warned_of():
     warning = exposure_warning("0.0.0.0", None)
     assert warning is not None and "without an API key" in warning and "\n" not in warning
     assert exposure_warning("0.0.0.0", "key") is None and exposure_warning("192.168.1.2", None) is not None
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(monkeypatch):
+    import fastddrive
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded before the port was checked")
+
+    monkeypatch.setattr(fastddrive, "load", no_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(cli, ["serve", "--port", str(port), "--model", "/no/such/model"])
+    assert result.exit_code == 2, result.output
+    assert f"127.0.0.1:{port} is in use" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(cli, ["serve", "--host", "no-such-host.invalid", "--port", "0"])
+    assert result.exit_code == 2 and "--host no-such-host.invalid" in result.output
 
 
 def test_a_scene_name_stays_inside_the_data_folder(url):

@@ -262,6 +262,35 @@ def test_resuming_with_another_config_is_refused_naming_the_setting(interrupted,
     assert train(moved, resume=True, say=lambda _: None, stop_after=3).resumed_from == 2
 
 
+def test_resuming_with_more_steps_trains_on_and_says_the_schedule_is_stretched(interrupted):
+    said = []
+    report = train(interrupted.model_copy(update={"steps": 6}), resume=True, say=said.append, stop_after=3)
+    assert report.resumed_from == 2
+    assert any("to 6 steps (it was a run of 4): the lr schedule is stretched" in s for s in said), said
+
+
+def test_a_sample_whose_numbers_are_not_finite_is_named_before_anything_is_written(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from fastddrive.data.sample import _SCHEMA, shard_record, to_row
+
+    rows = [to_row(synthetic_sample(s)) for s in range(3)]
+    rows[2]["history"] = [float("nan")] * len(rows[2]["history"])
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pylist(rows, schema=_SCHEMA), sink)
+    shard, data_bytes = "train/00000-synthetic.parquet", sink.getvalue().to_pybytes()
+    (tmp_path / "d" / "train").mkdir(parents=True)
+    (tmp_path / "d" / shard).write_bytes(data_bytes)
+    manifest = {"format": DATASET_FORMAT, "version": 2, "settings": {}, "complete": True}
+    (tmp_path / "d" / MANIFEST).write_text(json.dumps(manifest | {"shards": {shard: shard_record(data_bytes, 3)}}))
+    refused = _invoke("train", "--config", _yaml(tmp_path, tmp_path / "d", tmp_path / "run"))
+    assert refused.exit_code == 2
+    line = _error_line(refused)
+    assert f"train sample 2 ({rows[2]['sample_id']}): history holds NaN or infinite values" in line
+    assert not (tmp_path / "run").exists()
+
+
 def test_leftover_temporary_checkpoint_folders_are_removed_at_start(interrupted, tmp_path):
     out = tmp_path / "run"
     for name in (".checkpoint-000004.tmp-4242", ".final.staging.tmp-4242-0a1b2c3d"):

@@ -77,6 +77,7 @@ def user_errors() -> Iterator[None]:
     from fastddrive.outputs import OutputError
     from fastddrive.random_init import UnknownPreset
     from fastddrive.schema import ResponseError
+    from fastddrive.serve.guards import ListenError
     from fastddrive.serve.loadtest import LoadTestError
     from fastddrive.tokenizer import MissingDiffusionTokens, TokenizerError
     from fastddrive.train.checkpoint import CheckpointError
@@ -100,6 +101,7 @@ def user_errors() -> Iterator[None]:
         DeviceError,
         DriveError,
         LoadTestError,
+        ListenError,
         OutputError,
         MemoryBudgetError,
     )

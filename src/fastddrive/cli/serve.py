@@ -75,7 +75,7 @@ def serve_command(
     from fastddrive.eval.roofline import parse_dtype
     from fastddrive.model_files import check_device, model_path
     from fastddrive.serve.app import create_app, run
-    from fastddrive.serve.guards import exposure_warning
+    from fastddrive.serve.guards import exposure_warning, listening_socket
     from fastddrive.serve.limits import MIB, ServiceLimits, parse_caps
     from fastddrive.serve.resources import planning_vocabulary
 
@@ -83,6 +83,7 @@ def serve_command(
         raise typer.BadParameter("the API key is empty", param_hint="--api-key")
     with user_errors():
         get_decoder(decoder)
+        sock = listening_socket(host, port)
         folder = model_path(model)
         check_device(device)
         weights = parse_dtype(dtype) if dtype else None
@@ -108,7 +109,7 @@ def serve_command(
     warning = exposure_warning(host, api_key)
     if warning:
         Console(stderr=True).print(f"[bold yellow]{escape(warning)}[/]", highlight=False, soft_wrap=True)
-    run(service, host, port, grace_s=timeout_s + 5)
+    run(service, sock, grace_s=timeout_s + 5)
 
 
 @app.command("serve-bench")
@@ -116,9 +117,11 @@ def serve_bench_command(
     model: Annotated[str, typer.Option(help="'default' or a local model folder.")] = "default",
     decoders: Annotated[str, typer.Option(help="Comma-separated decoders.")] = "ss,ar",
     clients: Annotated[str, typer.Option(help="Comma-separated numbers of concurrent clients.")] = "1,4,16",
-    requests: Annotated[int, typer.Option(min=2, help="Requests per decoder and number of clients.")] = 64,
-    scenes: Annotated[int, typer.Option(min=1, help="Fresh simulator scenes the requests cycle through.")] = 8,
-    seed: Annotated[int, typer.Option(help="Seed of the fresh scenes.")] = 7,
+    requests: Annotated[int, typer.Option(min=2, max=10_000, help="Requests per decoder and number of clients.")] = 64,
+    scenes: Annotated[
+        int, typer.Option(min=1, max=1024, help="Fresh simulator scenes the requests cycle through.")
+    ] = 8,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the fresh scenes, 0 to 92233720368546.")] = 7,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the rows as JSON.")] = None,
 ) -> None:
     """The service under load (`fastddrive serve` on loopback) against `planner.plan` called directly:

@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import string
 import sys
 from collections.abc import Callable
@@ -50,10 +51,11 @@ from fastddrive.serve.limits import ServiceLimits
 from fastddrive.serve.metrics import PlanTiming, ServiceMetrics
 from fastddrive.serve.model_process import ModelProcessDied
 from fastddrive.serve.resources import load_with_vocabulary
-from fastddrive.serve.schemas import ZERO_HISTORY, PlanAnswer, ServiceRules, plan_request_model, refusal
+from fastddrive.serve.schemas import ZERO_HISTORY, PlanAnswer, PlanRequest, ServiceRules, plan_request_model, refusal
 from fastddrive.serve.worker import ModelWorker, NotReady, QueueFull
 
 RETRY_AFTER_S = 1
+COMPONENTS = "#/components/schemas/"
 SWITCH_INTERVAL_S = 0.0005
 FORM_FIELD_BYTES = 64 * 1024  # a form's text fields: history and options are a few hundred bytes
 SCENE_ID = re.compile(rf"({'|'.join(SPLITS)})/(\d{{1,9}})")
@@ -171,7 +173,9 @@ def create_app(
         timing = f"queue;dur={job.queue_ms:.3f}, plan;dur={job.plan_ms:.3f}"
         return FiniteJSONResponse(result.to_json(), headers={"Server-Timing": timing})
 
-    plan_body = {"content": {"application/json": {"schema": request_model.model_json_schema()}}, "required": True}
+    # The request is parsed by hand (off the event loop, its shape scanned first), so FastAPI does not see its
+    # model: the schema is named here, under components, where clients' generators look for it.
+    plan_body = {"content": {"application/json": {"schema": {"$ref": f"{COMPONENTS}PlanRequest"}}}, "required": True}
 
     @app.post("/v1/plan", response_model=PlanAnswer, responses=refusals, openapi_extra={"requestBody": plan_body})
     async def plan(request: Request) -> Response:
@@ -315,6 +319,7 @@ def create_app(
         """Prometheus text format."""
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    app.openapi = partial(_with_request_model, app.openapi, request_model)
     if api_key:
         app.openapi = partial(_with_bearer_key, app.openapi)
     return app
@@ -329,6 +334,16 @@ def text_field(form: FormData, name: str, errors: list[dict[str, Any]]) -> str:
     return ""
 
 
+def _with_request_model(openapi: Callable[[], dict[str, Any]], model: type[PlanRequest]) -> dict[str, Any]:
+    """The OpenAPI schema with the request model (and this server's limits in it) under components."""
+    schema = openapi()
+    request = model.model_json_schema(ref_template=COMPONENTS + "{model}")
+    schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+    schemas.update(request.pop("$defs", {}))
+    schemas["PlanRequest"] = request
+    return schema
+
+
 def _with_bearer_key(openapi: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """The OpenAPI schema saying that every route but /healthz takes `Authorization: Bearer <key>`."""
     schema = openapi()
@@ -340,15 +355,17 @@ def _with_bearer_key(openapi: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     return schema
 
 
-def run(app: FastAPI, host: str, port: int, grace_s: float) -> None:
-    """Serve until SIGTERM (or Ctrl+C): stop accepting, finish what is in flight (at most `grace_s`), abandon
-    what the model may still be on, return."""
+def run(app: FastAPI, sock: socket.socket, grace_s: float) -> None:
+    """Serve on `sock` (`guards.listening_socket`) until SIGTERM (or Ctrl+C): stop accepting, finish what is in
+    flight (at most `grace_s`), abandon what the model may still be on, return."""
     # uvicorn raises the signal again once it has shut down; this handler makes that a normal exit (status 0).
     signal.signal(signal.SIGTERM, lambda *_: None)
     # A model on a thread of this process holds the interpreter lock through most of a decode step; the event
     # loop then waits up to a switch interval (5 ms by default) each time it needs the lock.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=grace_s, log_level="info")
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=grace_s, log_level="info")
+    uvicorn.Server(config).run(sockets=[sock])
     if app.state.worker.running:
         # A thread cannot be stopped, and tearing the interpreter down under a model that is still planning can
         # crash it: the answer is for nobody, so the process ends here.

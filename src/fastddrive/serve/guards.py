@@ -10,8 +10,10 @@ arrived within the limit's time is a 408, and the connection is then closed.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import ipaddress
+import socket
 import time
 
 from fastapi import HTTPException
@@ -98,6 +100,35 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+class ListenError(ValueError):
+    """An address the service cannot listen on: in use, not this machine's, or a port that needs privileges."""
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The service's socket, bound before the model loads, so that a port in use is one line at once rather
+    than a traceback after the load; handed to uvicorn, so that nothing can take the port in between."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as err:
+        raise ListenError(f"--host {host}: not an address of this machine ({err.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise ListenError(
+                f"--port {port}: {host}:{port} is in use (another server?); choose another port"
+            ) from None
+        if err.errno == errno.EACCES:
+            raise ListenError(f"--port {port}: listening there needs privileges; choose a port from 1024") from None
+        raise ListenError(f"--host {host} --port {port}: cannot listen there ({err.strerror})") from None
+    return sock
 
 
 def exposure_warning(host: str, api_key: str | None) -> str | None:

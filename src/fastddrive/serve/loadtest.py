@@ -34,9 +34,13 @@ import numpy as np
 from fastddrive.data.sample import DrivingSample, encode_png
 from fastddrive.planner import Planner
 
+# Each client holds a connection (a file descriptor of both processes, 1024 by default) and a place in the
+# server's queue; past a few hundred a loopback load test measures the client's own event loop.
+MAX_CLIENTS = 256
+
 
 class LoadTestError(ValueError):
-    """Client counts that are not positive integers, or no more requests than clients."""
+    """Client counts that are not integers in [1, MAX_CLIENTS], or no more requests than clients."""
 
 
 def client_counts(text: str, requests: int) -> list[int]:
@@ -46,8 +50,8 @@ def client_counts(text: str, requests: int) -> list[int]:
         counts = [int(part) for part in text.split(",")]
     except ValueError:
         counts = []
-    if not counts or min(counts) < 1:
-        raise LoadTestError(f"clients must be comma-separated positive integers, got {text!r}")
+    if not counts or min(counts) < 1 or max(counts) > MAX_CLIENTS:
+        raise LoadTestError(f"clients must be comma-separated integers in [1, {MAX_CLIENTS}], got {text!r}")
     _check_enough(requests, max(counts))
     return counts
 

@@ -23,7 +23,7 @@ import transformers
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
-from fastddrive.data.sample import DrivingDataset, DrivingSample, from_row
+from fastddrive.data.sample import DrivingDataset, DrivingSample, SampleError, check_row_numbers, from_row
 from fastddrive.eval.accuracy import evaluate_greedy_ar
 from fastddrive.memory import check_allocation
 from fastddrive.model import BlockDiffusionModel, CheckpointInfo
@@ -71,9 +71,11 @@ LOG_COLUMNS = (
     "val_invalid",
 )
 # Settings that say where things are or what is reported, not what is trained: a resumed run may change them
-# (the data set and the trajectories are compared by their fingerprints instead of their paths).
+# (the data set and the trajectories are compared by their fingerprints instead of their paths). `steps` too:
+# training a finished run longer is what --resume is for (the lr schedule is stretched from there on, and said).
 RESUME_FREE_SETTINGS = frozenset(
     {
+        "steps",
         "out",
         "data",
         "trajectories",
@@ -261,6 +263,18 @@ def dataset_fingerprint(dataset: DrivingDataset) -> str:
     return hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()
 
 
+def _check_rows(data: str, split: str, rows: list[dict[str, Any]]) -> None:
+    """Refuse a data set holding a sample whose numbers are not finite, naming it: a NaN in a prompt trains
+    the model on the text 'nan' without a word."""
+    for index, row in enumerate(rows):
+        try:
+            check_row_numbers(row)
+        except SampleError as err:
+            raise ConfigError(
+                f"{data}: {split} sample {index} ({row.get('sample_id')}): {err}; mend or leave out that sample"
+            ) from None
+
+
 def run_record(config: TrainConfig, dataset: DrivingDataset, trajectories: TrajectorySet | None) -> dict[str, Any]:
     """What each checkpoint records of its run, for `--resume` to compare: the config, and fingerprints of the
     data set and of the trajectories (the jf recipe)."""
@@ -298,6 +312,12 @@ def _check_resume(
     if not isinstance(recorded, dict):
         say(f"{checkpoint.path.name} records no config or data fingerprint (an older fastddrive's): not compared")
         return
+    steps_before = (recorded.get("config") or {}).get("steps")
+    if steps_before not in (None, config.steps):
+        say(
+            f"resuming {checkpoint.path.name} to {config.steps} steps (it was a run of {steps_before}): the lr "
+            "schedule is stretched to the new length from here on"
+        )
     changes = run_changes(recorded, current, config)
     if not changes:
         return
@@ -394,6 +414,7 @@ def train(
     rows = dataset.table("train").to_pylist()
     if not rows:
         raise ConfigError(f"{config.data} has no training samples")
+    _check_rows(config.data, "train", rows)
     val_rows = dataset.table("val").to_pylist()[: config.validation_samples] or rows[: config.validation_samples]
     val_samples = [from_row(r) for r in val_rows]
     trajectories = checked_trajectories(config) if config.recipe == "jf" else None

@@ -145,6 +145,10 @@ def plan_collection(
         others = sorted(p.name for p in Path(out).iterdir() if not (is_temporary(p) or _SHARD.match(p.name)))
         if others:
             raise OutputError(f"--out {out}: it holds {others[0]} and no trajectories; give a new or empty folder")
+    settings = {"model": str(model), "data": str(data), "split": split, "samples": samples}
+    settings |= {"block_size": block_size, "seed": seed}
+    existing = _read_manifest(Path(out)) if (Path(out) / MANIFEST).is_file() else None
+    _check_same_settings(out, existing, settings)  # before the model is checked and its weights hashed
     if not (path / "config.json").is_file():
         raise TrajectoryError(f"model {model!r}: {path} holds no model (config.json is missing)")
     check_model_folder(path)
@@ -154,25 +158,21 @@ def plan_collection(
     rows = DrivingDataset.open(data).table(split).to_pylist()
     if samples > len(rows):
         raise TrajectoryError(f"split {split!r} of {data} has {len(rows)} samples; cannot take {samples}")
-    settings = {
-        "model": str(model),
-        "model_sha256": _weights_sha256(path),
-        "data": str(data),
-        "split": split,
-        "samples": samples,
-        "block_size": block_size,
-        "seed": seed,
-    }
-    existing = _read_manifest(Path(out)) if (Path(out) / MANIFEST).is_file() else None
-    if existing is not None:
-        for key, value in settings.items():
-            if existing["settings"].get(key) != value:
-                raise TrajectoryError(
-                    f"{out} holds trajectories collected with {key} {existing['settings'].get(key)!r}, not "
-                    f"{value!r}; choose another output folder"
-                )
+    settings = {"model": settings["model"], "model_sha256": _weights_sha256(path)} | settings
+    _check_same_settings(out, existing, settings)
     indices = sorted(int(i) for i in np.random.default_rng(seed).permutation(len(rows))[:samples])
     return CollectionPlan(Path(out), settings, rows, indices)
+
+
+def _check_same_settings(out: str | Path, existing: dict[str, Any] | None, settings: dict[str, Any]) -> None:
+    """TrajectoryError when `out` already holds trajectories collected with other `settings` (a rerun resumes
+    only the same collection)."""
+    for key, value in settings.items():
+        if existing is not None and existing["settings"].get(key) != value:
+            raise TrajectoryError(
+                f"{out} holds trajectories collected with {key} {existing['settings'].get(key)!r}, not "
+                f"{value!r}; choose another output folder"
+            )
 
 
 @dataclass(frozen=True)
