@@ -30,10 +30,12 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-test $(DEVKIT)/.installed
 	$(BIN)/ruff check src tests
+	$(BIN)/lint-imports
 	NUSCENES_DEVKIT_PYTHON=$(abspath $(DEVKIT))/bin/python HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check src tests
+	$(BIN)/lint-imports
 	$(BIN)/ruff format --check src tests
 
 clean:

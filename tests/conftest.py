@@ -7,7 +7,7 @@ os.environ["SDL_VIDEODRIVER"] = "offscreen"
 import pytest  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from fastddrive.schema import (  # noqa: E402
+from fastddrive.core.schema import (  # noqa: E402
     COORD_LIMIT_M,
     CRITICAL_OBJECT_CLASSES,
     LATERAL_BEHAVIORS,
@@ -16,7 +16,7 @@ from fastddrive.schema import (  # noqa: E402
     DrivingResponse,
     MetaBehavior,
 )
-from fastddrive.tokenizer import default_tokenizer_path, load_tokenizer  # noqa: E402
+from fastddrive.core.tokenizer import default_tokenizer_path, load_tokenizer  # noqa: E402
 
 coordinates = st.floats(min_value=-COORD_LIMIT_M, max_value=COORD_LIMIT_M, allow_nan=False)
 explanations = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=300)

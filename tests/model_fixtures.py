@@ -3,11 +3,11 @@
 import numpy as np
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from fastddrive.data.sample import CameraView, DrivingSample
-from fastddrive.model import BlockDiffusionModel
-from fastddrive.model_files import tiny_image_processor, tiny_qwen2_5_vl
-from fastddrive.schema import CRITICAL_OBJECT_CLASSES, DrivingResponse, MetaBehavior
-from fastddrive.tokenizer import default_tokenizer_path, load_tokenizer
+from fastddrive.core.sample import CameraView, DrivingSample
+from fastddrive.core.schema import CRITICAL_OBJECT_CLASSES, DrivingResponse, MetaBehavior
+from fastddrive.core.tokenizer import default_tokenizer_path, load_tokenizer
+from fastddrive.engine.model import BlockDiffusionModel
+from fastddrive.engine.model_files import tiny_image_processor, tiny_qwen2_5_vl
 
 # The smallest Qwen2.5-VL architecture the tests build and train (tiny_qwen2_5_vl's keywords).
 SMALL = {
@@ -83,8 +83,8 @@ def peaky_case(kind: str, seed: int):
     with the context, a prompt of a synthetic sample, and the scaffold."""
     import torch
 
+    from fastddrive.core.scaffold import Scaffold
     from fastddrive.planner import prompt_inputs
-    from fastddrive.scaffold import Scaffold
 
     # float64: near-equal logits must not order differently in a one-token and a block forward.
     model = (vision_model if kind == "qwen2.5-vl" else text_model)(seed=seed)

@@ -14,8 +14,8 @@ from pathlib import Path
 from transformers import Qwen2Tokenizer
 
 from conftest import explanations
-from fastddrive.schema import SPECIAL_TOKEN_TEXT
-from fastddrive.tokenizer import QWEN25VL_ADDED_TOKENS, qwen25vl_tokenizer
+from fastddrive.core.schema import SPECIAL_TOKEN_TEXT
+from fastddrive.core.tokenizer import QWEN25VL_ADDED_TOKENS, qwen25vl_tokenizer
 
 # sha256 of dashscope/resources/qwen.tiktoken, the same in dashscope 1.14.0 and 2.0.2: Qwen's 151,643 ranks.
 QWEN_TIKTOKEN_SHA256 = "b2b1b8dfb5cc5f024bafc373121c6aba3f66f9a5a0269e243470a1de16a33186"

@@ -18,12 +18,12 @@ import httpx
 import numpy as np
 import uvicorn
 
+from fastddrive.core.scaffold import DEFAULT_EXPLANATION_BUDGET, Scaffold
+from fastddrive.core.tokenizer import load_tokenizer
 from fastddrive.decode.footprint import ModelSizes
 from fastddrive.decode.result import DecodeResult
-from fastddrive.model_files import model_path, read_info
+from fastddrive.engine.model_files import model_path, read_info
 from fastddrive.planner import NAV_COMMANDS, ModelFacts, PlanInputs
-from fastddrive.scaffold import DEFAULT_EXPLANATION_BUDGET, Scaffold
-from fastddrive.tokenizer import load_tokenizer
 
 
 def _text_facts() -> ModelFacts:

@@ -12,9 +12,10 @@ from typer.testing import CliRunner
 import fastddrive
 import fastddrive.planner as planner_module
 from fastddrive.cli import app
-from fastddrive.data.sample import DatasetError, SampleError
-from fastddrive.model_check import ModelFileError
-from fastddrive.model_files import DeviceError, model_path
+from fastddrive.core.sample import SampleError
+from fastddrive.data.dataset import DatasetError
+from fastddrive.engine.model_check import ModelFileError
+from fastddrive.engine.model_files import DeviceError, model_path
 from fastddrive.train.config import ConfigError, load_config
 
 runner = CliRunner()
@@ -178,7 +179,7 @@ def test_plan_json_exits_1_when_the_answer_does_not_parse(monkeypatch, tmp_path)
 
 
 def test_the_demo_folder_may_be_new_but_not_inside_a_file(tmp_path):
-    from fastddrive.outputs import OutputError, check_folder_destination
+    from fastddrive.core.outputs import OutputError, check_folder_destination
 
     check_folder_destination(tmp_path / "runs" / "demo", "--out", own_folder=True)  # made when written
     (tmp_path / "file").write_text("x")

@@ -4,8 +4,8 @@ import pytest
 from typer.testing import CliRunner
 
 from fastddrive.cli import app
-from fastddrive.data import build
-from fastddrive.data.sample import DrivingDataset
+from fastddrive.data import build, episodes
+from fastddrive.data.dataset import DrivingDataset
 from fastddrive.decode.speculative import ss_nfe_floor
 from fastddrive.planner import load
 
@@ -109,7 +109,7 @@ def test_a_failed_episode_is_reported_and_the_rest_completes(tmp_path, monkeypat
     real = highway.simulate_episode
 
     def flaky(scenario, seed, *args, **kwargs):
-        if seed == 11 * build.SEED_STRIDE + 1:
+        if seed == 11 * episodes.SEED_STRIDE + 1:
             raise RuntimeError("simulator exploded")
         return real(scenario, seed, *args, **kwargs)
 

@@ -11,10 +11,10 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from fastddrive.core.outputs import finite
 from fastddrive.data.build import build_dataset
-from fastddrive.data.sample import MANIFEST, DrivingDataset, shard_record
+from fastddrive.data.dataset import MANIFEST, DrivingDataset, shard_record
 from fastddrive.eval.accuracy import evaluate_split
-from fastddrive.outputs import finite
 from fastddrive.serve.loadtest import free_port
 
 

@@ -15,10 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fastddrive.data import build
-from fastddrive.data.build import EpisodeJob, EpisodeResult
-from fastddrive.data.sample import MANIFEST, CameraView, DrivingDataset, DrivingSample, write_shard
-from fastddrive.schema import example_response
+from fastddrive.core.sample import CameraView, DrivingSample
+from fastddrive.core.schema import example_response
+from fastddrive.data import build, episodes
+from fastddrive.data.build import EpisodeResult
+from fastddrive.data.dataset import MANIFEST, DrivingDataset, write_shard
+from fastddrive.data.episodes import EpisodeJob
 
 EPISODES = 3  # merge: train/00000, test/00001, train/00002
 SEED = 7
@@ -443,8 +445,8 @@ def test_what_killed_writers_leave_is_no_shard_and_is_removed_on_resume(dataset)
 
 
 OUT_OF_RANGE = {
-    "--seed": (-1, build.MAX_SEED + 1, 2**64),
-    "--episodes": (0, build.MAX_EPISODES + 1),
+    "--seed": (-1, episodes.MAX_SEED + 1, 2**64),
+    "--episodes": (0, episodes.MAX_EPISODES + 1),
     "--workers": (0, build.max_workers() + 1),
 }
 
@@ -458,11 +460,11 @@ def test_an_out_of_range_setting_is_refused_in_one_line_before_anything_is_simul
 
 
 def test_the_largest_seed_gives_episode_seeds_a_shard_stores(tmp_path):
-    jobs = build.plan_episodes(build.MAX_EPISODES, build.MAX_SEED, ["merge"])
-    assert jobs[-1].seed == build.MAX_SEED * build.SEED_STRIDE + build.MAX_EPISODES - 1 < 2**63
+    jobs = episodes.plan_episodes(episodes.MAX_EPISODES, episodes.MAX_SEED, ["merge"])
+    assert jobs[-1].seed == episodes.MAX_SEED * episodes.SEED_STRIDE + episodes.MAX_EPISODES - 1 < 2**63
     write_shard(tmp_path / "x.parquet", _samples(jobs[-1]))
     with pytest.raises(build.DataSettingsError):
-        build.plan_episodes(1, build.MAX_SEED + 1, ["merge"])
+        episodes.plan_episodes(1, episodes.MAX_SEED + 1, ["merge"])
 
 
 def test_stats_refuses_an_unknown_scaffold_tokenization_in_one_line(dataset):

@@ -8,8 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from fastddrive.cli import app
-from fastddrive.data import build
-from fastddrive.data.sample import MANIFEST, DatasetError, DrivingDataset, ShardError, write_shard
+from fastddrive.data import build, episodes
+from fastddrive.data.dataset import MANIFEST, DatasetError, DrivingDataset, ShardError, write_shard
 from fastddrive.data.verify import verify_dataset
 
 SEED = 21
@@ -62,7 +62,7 @@ def test_the_manifest_records_every_shard_with_its_size_checksum_and_samples(ref
     manifest = _manifest(reference)
     assert manifest["version"] == build.MANIFEST_VERSION and manifest["complete"] is True
     files = _files(reference)
-    assert sorted(manifest["shards"]) == sorted(files) == sorted(build.planned_shards(manifest["settings"]))
+    assert sorted(manifest["shards"]) == sorted(files) == sorted(episodes.planned_shards(manifest["settings"]))
     dataset = DrivingDataset.open(reference)
     for shard, data in files.items():
         record = manifest["shards"][shard]

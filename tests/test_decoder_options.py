@@ -312,7 +312,7 @@ def no_model(monkeypatch):
         raise AssertionError("a model was loaded")
 
     monkeypatch.setattr("fastddrive.planner.load_model", refuse)
-    monkeypatch.setattr("fastddrive.random_init.random_init_model", refuse, raising=False)
+    monkeypatch.setattr("fastddrive.engine.random_init.random_init_model", refuse, raising=False)
 
 
 def _cli(*args):
@@ -437,7 +437,7 @@ def test_drafts_outside_the_vocabulary_or_the_answer_are_refused_before_any_forw
 
 
 def test_a_decode_over_the_memory_budget_is_refused_before_any_forward(planner, scene, no_forward, monkeypatch):
-    from fastddrive.memory import MemoryBudgetError
+    from fastddrive.core.memory import MemoryBudgetError
 
     monkeypatch.setenv("FASTDDRIVE_MEMORY_BUDGET", "32MiB")
     with pytest.raises(MemoryBudgetError, match=r"decoder 'selfspec-quad' with block_size=64 would allocate about"):

@@ -8,17 +8,17 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from fastddrive.core.scaffold import Scaffold
+from fastddrive.core.schema import parse
 from fastddrive.data.highway import episode_samples
 from fastddrive.decode import DECODERS, LOSSLESS, DecoderError, decode, decoder_options, quadratic, speculative, tts
 from fastddrive.decode.blocks import section_blocks
 from fastddrive.decode.quadratic import quadratic_layout
 from fastddrive.decode.speculative import Speculation, fused_layout, run, ss_nfe_floor
 from fastddrive.decode.state import Canvas, row_picker, sampler
-from fastddrive.masks import block_mask
-from fastddrive.model import BlockDiffusionModel
+from fastddrive.engine.masks import block_mask
+from fastddrive.engine.model import BlockDiffusionModel
 from fastddrive.planner import Planner, load
-from fastddrive.scaffold import Scaffold
-from fastddrive.schema import parse
 from model_fixtures import peaky_case
 
 
@@ -365,7 +365,7 @@ def test_plan_validates_raw_inputs(embedded, scenes):
     scene = scenes[0]
     result = embedded.plan(images=[scene.image], history=scene.history.tolist(), command=scene.command, decoder="ss")
     assert result.token_ids == embedded.plan(scene, "ss").token_ids
-    from fastddrive.data.sample import SampleError
+    from fastddrive.core.sample import SampleError
 
     with pytest.raises(SampleError, match="history must be 7 rows"):
         embedded.plan(images=[scene.image], history=[[0.0] * 6] * 3, command="go_straight")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from highway_env.vehicle.kinematics import Vehicle
 
+from fastddrive.core.schema import CRITICAL_OBJECT_CLASSES, DrivingResponse, MetaBehavior
 from fastddrive.data.highway import SIMULATION_HZ, UnknownScenario, simulate_episode
 from fastddrive.decode.registry import DecoderError
 from fastddrive.decode.result import DecodeResult
@@ -22,8 +23,7 @@ from fastddrive.drive.metrics import driving_score, lead_ttc_s
 from fastddrive.drive.plan import TimedPath
 from fastddrive.drive.policies import DecoderPolicy, ExpertPolicy
 from fastddrive.drive.run import check_settings, run_drive
-from fastddrive.model_files import DeviceError
-from fastddrive.schema import CRITICAL_OBJECT_CLASSES, DrivingResponse, MetaBehavior
+from fastddrive.engine.model_files import DeviceError
 
 DT = 1.0 / SIMULATION_HZ
 HANDOVER_STEP = round(HANDOVER_S / RECORD_S)

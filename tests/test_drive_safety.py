@@ -8,12 +8,12 @@ from typer.testing import CliRunner
 import fastddrive.drive.run as run_module
 import fastddrive.planner as planner_module
 from fastddrive.cli import app
-from fastddrive.data.build import MAX_SEED
+from fastddrive.core.outputs import PACKAGE_ROOT, OutputError
+from fastddrive.data.episodes import MAX_SEED
 from fastddrive.drive import DriveError
 from fastddrive.drive.latency import LatencyError
 from fastddrive.drive.run import check_settings
-from fastddrive.model_files import model_path
-from fastddrive.outputs import PACKAGE_ROOT, OutputError
+from fastddrive.engine.model_files import model_path
 
 runner = CliRunner()
 

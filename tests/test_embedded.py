@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
+from fastddrive.core.scaffold import Scaffold
 from fastddrive.data.highway import episode_samples
+from fastddrive.engine.model_files import load_model, model_path
 from fastddrive.eval.accuracy import greedy_ar_response
-from fastddrive.model_files import load_model, model_path
-from fastddrive.scaffold import Scaffold
 
 MAX_CHECKPOINT_BYTES = 25 * 1024 * 1024
 

@@ -15,13 +15,14 @@ from typer.testing import CliRunner
 import fastddrive.eval.bench as bench_module
 import fastddrive.planner as planner_module
 from fastddrive.cli import app
-from fastddrive.data.build import MAX_SEED, build_dataset
-from fastddrive.data.sample import MANIFEST, shard_record
+from fastddrive.data.build import build_dataset
+from fastddrive.data.dataset import MANIFEST, shard_record
+from fastddrive.data.episodes import MAX_SEED
 from fastddrive.decode.planning_vocabulary import VOCABULARY_FILE
 from fastddrive.decode.result import DecodeResult
+from fastddrive.engine.model_files import model_path
 from fastddrive.eval import plots
 from fastddrive.eval.bench import DecoderRun
-from fastddrive.model_files import model_path
 
 runner = CliRunner()
 

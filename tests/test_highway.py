@@ -2,10 +2,11 @@ import numpy as np
 import pytest
 
 import staging
+from fastddrive.core.sample import FUTURE_STEPS, HISTORY_STEPS
+from fastddrive.core.schema import parse, render
 from fastddrive.data import labels
+from fastddrive.data.dataset import DrivingDataset, from_row, to_row
 from fastddrive.data.highway import SCENARIOS, episode_samples, sample_steps, simulate_episode
-from fastddrive.data.sample import FUTURE_STEPS, HISTORY_STEPS, DrivingDataset, from_row, to_row
-from fastddrive.schema import parse, render
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +149,7 @@ def test_explanations_name_the_cause_in_several_phrasings():
 
 
 def test_opening_something_that_is_not_a_dataset_is_a_clear_error(tmp_path):
-    from fastddrive.data.sample import DatasetError
+    from fastddrive.data.dataset import DatasetError
 
     with pytest.raises(DatasetError, match="not a fastddrive dataset"):
         DrivingDataset.open(tmp_path)

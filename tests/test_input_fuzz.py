@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from PIL import Image, JpegImagePlugin, PngImagePlugin
 
-from fastddrive.data.sample import SampleError
-from fastddrive.inputs import MAX_HISTORY_BYTES, MAX_IMAGE_PIXELS, image_from_bytes, read_history, read_image
+from fastddrive.core.inputs import MAX_HISTORY_BYTES, MAX_IMAGE_PIXELS, image_from_bytes, read_history, read_image
+from fastddrive.core.sample import SampleError
 from fastddrive.planner import MAX_IMAGES, PlanInputs
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -199,7 +199,7 @@ def no_decoding(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("pixels were decoded")
 
-    monkeypatch.setattr("fastddrive.data.sample.pyspng.load", refuse)
+    monkeypatch.setattr("fastddrive.core.sample.pyspng.load", refuse)
     monkeypatch.setattr(PngImagePlugin.PngImageFile, "load", refuse)
     monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "load", refuse)
 

@@ -10,12 +10,12 @@ import torch
 from typer.testing import CliRunner
 
 from fastddrive.cli import app
-from fastddrive.data.sample import DATASET_FORMAT, MANIFEST, write_shard
+from fastddrive.core.scaffold import Scaffold
+from fastddrive.core.schema import SECTIONS, example_response, render
+from fastddrive.data.dataset import DATASET_FORMAT, MANIFEST, write_shard
 from fastddrive.decode.registry import decode
-from fastddrive.model_files import load_model, save_model
+from fastddrive.engine.model_files import load_model, save_model
 from fastddrive.planner import prompt_inputs
-from fastddrive.scaffold import Scaffold
-from fastddrive.schema import SECTIONS, example_response, render
 from fastddrive.train import jacobi_forcing
 from fastddrive.train import trajectories as trajectories_module
 from fastddrive.train.checkpoint import list_checkpoints

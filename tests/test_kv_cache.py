@@ -4,8 +4,8 @@ masks sliced from buffers give the logits of an uncached transformers forward (f
 import pytest
 import torch
 
-from fastddrive.kv_cache import KVCache
-from fastddrive.masks import CAUSAL, FULL, DecodeMasks, additive_mask, block_mask
+from fastddrive.engine.kv_cache import KVCache
+from fastddrive.engine.masks import CAUSAL, FULL, DecodeMasks, additive_mask, block_mask
 from model_fixtures import synthetic_sample, text_model, vision_model
 
 EXACT = 1e-6  # float64, but transformers computes RMSNorm in float32 whatever the model dtype
@@ -62,7 +62,7 @@ def test_prefill_equals_the_plain_forward(model):
 @pytest.mark.parametrize("rotation_columns", [True, False])
 def test_both_weight_layouts_equal_the_plain_forward(model, rotation_columns):
     """RoPE's rotate_half as extra qkv columns (the CPU layout) or computed in the layer (the GPU one)."""
-    from fastddrive.model import DecodeWeights
+    from fastddrive.engine.model import DecodeWeights
 
     prompt = _prompt(model)
     version = model._refresh_weights().version

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from fastddrive.decode import decode, tts
-from fastddrive.decode.jacobi import agreement
+from fastddrive.decode.acceptance import accept
 from fastddrive.decode.lockstep import lockstep_rollouts
 from fastddrive.decode.meter import ForwardMeter
 from fastddrive.decode.state import Canvas, row_picker
@@ -62,9 +62,9 @@ def test_lockstep_rows_commit_what_each_rows_ar_sampler_draws(case, window, rate
 
 
 def test_agreement_counts_the_leading_guesses_the_verifier_confirms():
-    assert agreement([5, 6, 7, 8], [5, 6, 9]) == 2
-    assert agreement([5, 6, 7, 8], [5, 6, 7]) == 3  # the token after the guesses is not a guess
-    assert agreement([1], [2]) == 0
+    assert accept([5, 6, 9], [5, 6, 7, 8]).agreed == 2
+    assert accept([5, 6, 7], [5, 6, 7, 8]).agreed == 3  # the token after the guesses is not a guess
+    assert accept([2], [1]).agreed == 0
 
 
 def test_a_window_below_one_is_refused(case):

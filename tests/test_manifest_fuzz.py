@@ -11,19 +11,13 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from fastddrive.core.sample import CameraView, DrivingSample
+from fastddrive.core.schema import example_response
 from fastddrive.data import build
-from fastddrive.data.build import EpisodeJob, EpisodeResult
-from fastddrive.data.sample import (
-    MANIFEST,
-    SPLITS,
-    CameraView,
-    DatasetError,
-    DrivingDataset,
-    DrivingSample,
-    write_shard,
-)
+from fastddrive.data.build import EpisodeResult
+from fastddrive.data.dataset import MANIFEST, SPLITS, DatasetError, DrivingDataset, write_shard
+from fastddrive.data.episodes import EpisodeJob
 from fastddrive.data.verify import unfinished, verify_dataset
-from fastddrive.schema import example_response
 
 FUZZ = settings(max_examples=120, deadline=None, derandomize=True)
 

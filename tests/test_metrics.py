@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastddrive.eval.metrics import (
+from fastddrive.core.metrics import (
     RFS_INDICES,
     ade_m,
     collision_at_steps,
@@ -20,7 +20,7 @@ from fastddrive.eval.metrics import (
     rater_feedback_score,
     rfs_speed_scale,
 )
-from fastddrive.schema import CRITICAL_OBJECT_CLASSES, LATERAL_BEHAVIORS, DrivingResponse, MetaBehavior
+from fastddrive.core.schema import CRITICAL_OBJECT_CLASSES, LATERAL_BEHAVIORS, DrivingResponse, MetaBehavior
 
 T3, T5 = RFS_INDICES
 HIGH_SPEED = 11.0  # m/s: thresholds at full size, lat (1.0, 1.8) m and lng (4.0, 7.2) m
@@ -358,7 +358,7 @@ def test_json_validity_rate():
 
 
 def test_jmt_of_a_constant_speed_straight_path_is_exactly_linear():
-    from fastddrive.eval.jmt import jmt_upsample
+    from fastddrive.core.jmt import jmt_upsample
 
     t_s = np.arange(1, 6, dtype=float)[:, None]
     velocity_mps = np.array([[12.5, -0.8]])
@@ -371,7 +371,7 @@ def test_jmt_of_a_constant_speed_straight_path_is_exactly_linear():
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.floats(-50, 50, allow_nan=False), min_size=10, max_size=10))
 def test_jmt_passes_through_its_knots(values):
-    from fastddrive.eval.jmt import jmt_upsample
+    from fastddrive.core.jmt import jmt_upsample
 
     waypoints = np.asarray(values).reshape(5, 2)
     dense = jmt_upsample(waypoints)

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from fastddrive.masks import additive_mask, block_mask
-from fastddrive.scaffold import Scaffold
+from fastddrive.core.scaffold import Scaffold
+from fastddrive.engine.masks import additive_mask, block_mask
 from fastddrive.train.collate import DualStreamCollator
 from fastddrive.train.config import load_config
 from model_fixtures import synthetic_sample, text_model, vision_model

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastddrive.model import CheckpointInfo
-from fastddrive.model_check import ModelFileError, check_model_folder
-from fastddrive.model_files import load_model, save_model
+from fastddrive.engine.model import CheckpointInfo
+from fastddrive.engine.model_check import ModelFileError, check_model_folder
+from fastddrive.engine.model_files import load_model, save_model
 from model_fixtures import vision_model
 
 FUZZ = settings(

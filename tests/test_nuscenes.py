@@ -12,6 +12,8 @@ import pytest
 from PIL import Image
 from scipy.spatial.transform import Rotation
 
+from fastddrive.core.prompt import user_text
+from fastddrive.data.dataset import DATASET_FORMAT, MANIFEST, DrivingDataset, write_shard
 from fastddrive.data.highway import episode_samples
 from fastddrive.data.nuscenes import (
     EXPORT_VERSION,
@@ -22,8 +24,6 @@ from fastddrive.data.nuscenes import (
     export_nuscenes,
     nuscenes_command,
 )
-from fastddrive.data.sample import DATASET_FORMAT, MANIFEST, DrivingDataset, write_shard
-from fastddrive.prompt import user_text
 
 # The official nuscenes-devkit pins numpy<2, so it runs in an interpreter of its own (`make test` builds one with
 # nuscenes-devkit 1.2.0 and names it here); the tests that read an export with it are skipped without one.

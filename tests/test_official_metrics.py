@@ -10,10 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from fastddrive.data.sample import CameraView, DrivingSample
-from fastddrive.eval import accuracy
-from fastddrive.eval.jmt import jmt_upsample, knot_derivatives
-from fastddrive.eval.metrics import (
+from fastddrive.core.jmt import jmt_upsample, knot_derivatives
+from fastddrive.core.metrics import (
     ade_m,
     bev_occupancy,
     collision_at_steps,
@@ -23,7 +21,9 @@ from fastddrive.eval.metrics import (
     raster_collision_at_steps,
     rater_feedback_score,
 )
-from fastddrive.schema import CRITICAL_OBJECT_CLASSES, DrivingResponse, MetaBehavior
+from fastddrive.core.sample import CameraView, DrivingSample
+from fastddrive.core.schema import CRITICAL_OBJECT_CLASSES, DrivingResponse, MetaBehavior
+from fastddrive.eval import accuracy
 
 ACCELERATING = np.array([[1.0, 0.0], [3.0, 0.0], [6.0, 0.0], [10.0, 0.0], [15.0, 0.0]])  # t = 1..5 s
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from fastddrive.data.sample import DATASET_FORMAT, MANIFEST, write_shard
+from fastddrive.core.scaffold import Scaffold
+from fastddrive.data.dataset import DATASET_FORMAT, MANIFEST, write_shard
 from fastddrive.decode.planning_vocabulary import (
     VOCABULARY_FILE,
     PlanningToken,
@@ -29,13 +30,12 @@ from fastddrive.decode.pvf import (
     tree_layout,
 )
 from fastddrive.decode.state import Canvas, greedy
+from fastddrive.engine.kv_cache import KVCache
+from fastddrive.engine.masks import CAUSAL, as_pattern, block_mask
+from fastddrive.engine.model import PromptInputs
+from fastddrive.engine.model_files import model_path
 from fastddrive.eval.pvf_calibration import calibrate_split
-from fastddrive.kv_cache import KVCache
-from fastddrive.masks import CAUSAL, as_pattern, block_mask
-from fastddrive.model import PromptInputs
-from fastddrive.model_files import model_path
 from fastddrive.planner import load
-from fastddrive.scaffold import Scaffold
 
 
 @pytest.mark.parametrize("tau", [0.9, 0.6])

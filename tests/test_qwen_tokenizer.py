@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 
 from conftest import responses
-from fastddrive.scaffold import Scaffold
-from fastddrive.schema import (
+from fastddrive.core.scaffold import Scaffold
+from fastddrive.core.schema import (
     CRITICAL_OBJECT_CLASSES,
     LATERAL_BEHAVIORS,
     LONGITUDINAL_BEHAVIORS,
@@ -26,7 +26,7 @@ from fastddrive.schema import (
     parse,
     render,
 )
-from fastddrive.tokenizer import (
+from fastddrive.core.tokenizer import (
     MASK_TOKEN,
     NULL_TOKEN,
     QWEN2_SPLIT_PATTERN,

@@ -7,18 +7,10 @@ import pyarrow.parquet as pq
 import pytest
 
 import staging
-from fastddrive.data import build, raters
+from fastddrive.core.sample import FUTURE_STEPS, SampleError
+from fastddrive.data import build, episodes, raters
+from fastddrive.data.dataset import DATASET_FORMAT, MANIFEST, DrivingDataset, from_row, to_row, write_shard
 from fastddrive.data.highway import SCENARIOS, episode_samples, install_expert, make_env
-from fastddrive.data.sample import (
-    DATASET_FORMAT,
-    FUTURE_STEPS,
-    MANIFEST,
-    DrivingDataset,
-    SampleError,
-    from_row,
-    to_row,
-    write_shard,
-)
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +176,7 @@ def test_a_bad_rater_array_is_refused_with_a_clear_error(plain_and_rated, trajec
 def test_the_builder_rates_val_and_test_episodes_only_and_says_so(tmp_path, monkeypatch):
     from fastddrive.data import highway
 
-    jobs = build.plan_episodes(10, 1, ["merge"])
+    jobs = episodes.plan_episodes(10, 1, ["merge"])
     assert {j.split for j in jobs if j.raters} == {"val", "test"}
     assert not any(j.raters for j in jobs if j.split == "train")
 

@@ -6,7 +6,9 @@ from transformers import AutoModelForImageTextToText, Qwen2_5_VLForConditionalGe
 from typer.testing import CliRunner
 
 from fastddrive.cli import app
+from fastddrive.core.memory import MemoryBudgetError
 from fastddrive.decode.footprint import ModelSizes
+from fastddrive.engine.random_init import architecture_config, random_init_model
 from fastddrive.eval.roofline import (
     MAX_SWEEP_TOKENS,
     RooflineError,
@@ -17,8 +19,6 @@ from fastddrive.eval.roofline import (
     sweep_bytes,
     weight_bytes,
 )
-from fastddrive.memory import MemoryBudgetError
-from fastddrive.random_init import architecture_config, random_init_model
 
 # The 3B preset at CPU-test sizes; the head size stays 128, as its mRoPE sections need.
 SHRINK = {

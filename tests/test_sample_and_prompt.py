@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fastddrive.data.sample import CameraView, DrivingSample, SampleError, decode_png, from_row, to_row
-from fastddrive.inputs import image_from_bytes
-from fastddrive.prompt import chat_text, user_text
-from fastddrive.schema import example_response
+from fastddrive.core.inputs import image_from_bytes
+from fastddrive.core.prompt import chat_text, user_text
+from fastddrive.core.sample import CameraView, DrivingSample, SampleError, decode_png
+from fastddrive.core.schema import example_response
+from fastddrive.data.dataset import from_row, to_row
 
 
 def _sample(**changes):

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import responses
-from fastddrive.scaffold import DEFAULT_EXPLANATION_BUDGET, Scaffold, SlotOverflow
-from fastddrive.schema import SECTIONS, ResponseError, SpecialTokenText, example_response, parse, render
-from fastddrive.tokenizer import MissingDiffusionTokens, load_tokenizer
+from fastddrive.core.scaffold import DEFAULT_EXPLANATION_BUDGET, Scaffold, SlotOverflow
+from fastddrive.core.schema import SECTIONS, ResponseError, SpecialTokenText, example_response, parse, render
+from fastddrive.core.tokenizer import MissingDiffusionTokens, load_tokenizer
 from qwen_tokenizer import plain_explanations
 
 

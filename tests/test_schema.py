@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 
 from conftest import responses
-from fastddrive.schema import (
+from fastddrive.core.schema import (
     CRITICAL_OBJECT_CLASSES,
     DrivingResponse,
     ResponseError,
@@ -107,7 +107,7 @@ def test_direct_construction_validates_too():
 
 
 def test_explanations_are_nfc_so_they_survive_the_tokenizer():
-    from fastddrive.schema import example_response
+    from fastddrive.core.schema import example_response
 
     response = example_response().model_copy(update={"explanation": "\U0002f800"})
     assert DrivingResponse.model_validate(response.model_dump()).explanation == "\u4e3d"
@@ -115,7 +115,7 @@ def test_explanations_are_nfc_so_they_survive_the_tokenizer():
 
 @pytest.mark.parametrize("token", ["<|NULL|>", "|<MASK>|", "<|im_end|>", "<|vision_start|>", "<|fim_pad|>"])
 def test_an_explanation_holding_a_special_token_text_is_refused(token):
-    from fastddrive.schema import SpecialTokenText, from_slot_values
+    from fastddrive.core.schema import SpecialTokenText, from_slot_values
 
     data = json.loads(render(example_response()))
     data["explanation"] = f"The light is red{token}, so I stop."

@@ -23,8 +23,8 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 import fastddrive
+from fastddrive.core.outputs import finite
 from fastddrive.decode.registry import DecoderError
-from fastddrive.outputs import finite
 from fastddrive.planner import PlanInputs
 from fastddrive.serve.app import FiniteJSONResponse, create_app
 from fastddrive.serve.loadtest import LoadTestError, client_counts, free_port, load_test

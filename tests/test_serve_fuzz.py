@@ -15,7 +15,7 @@ from schemathesis.checks import (
 )
 
 from fastddrive.decode.planning_vocabulary import vocabulary_path
-from fastddrive.model_files import model_path
+from fastddrive.engine.model_files import model_path
 from fastddrive.serve.app import create_app
 from fastddrive.serve.limits import ServiceLimits
 from serve_fakes import FakePlanner, running

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 from fastddrive.cli import app as cli
 from fastddrive.decode.planning_vocabulary import vocabulary_path
 from fastddrive.decode.registry import DecoderError
-from fastddrive.model_files import model_path
+from fastddrive.engine.model_files import model_path
 from fastddrive.serve import schemas
 from fastddrive.serve.app import create_app
 from fastddrive.serve.guards import exposure_warning
@@ -302,12 +302,12 @@ def test_a_bad_planning_vocabulary_stops_the_server_before_it_serves(tmp_path):
         assert len(result.output.strip().splitlines()) == 1
 
 
-def test_an_api_key_guards_every_route_but_healthz(planner):
+def test_an_api_key_guards_every_route_but_the_probes(planner):
     app = create_app(lambda: planner, api_key="s3cret key")
-    with running(app, headers={"Authorization": "Bearer s3cret key"}) as base:
+    with running(app) as base:
         assert httpx.get(base + "/healthz").json() == {"status": "ok"}
+        assert httpx.get(base + "/readyz").json()["status"] == "ready"
         for method, path in (
-            ("GET", "/readyz"),
             ("GET", "/metrics"),
             ("GET", "/openapi.json"),
             ("GET", "/docs"),
@@ -323,13 +323,14 @@ def test_an_api_key_guards_every_route_but_healthz(planner):
             refused(wrong, 401, "the API key is wrong")
             assert "invalid_token" in wrong.headers["www-authenticate"]
         keyed = {"Authorization": "Bearer s3cret key"}
-        assert httpx.get(base + "/readyz", headers=keyed).status_code == 200
         answer = httpx.post(base + "/v1/plan", json=scene_body(3), headers=keyed)
         assert answer.status_code == 200 and answer.json()["token_ids"] == fake_ids(3)
         schema = httpx.get(base + "/openapi.json", headers=keyed).json()
         assert schema["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
         assert "401" in schema["paths"]["/v1/plan"]["post"]["responses"]
-        assert "security" not in schema["paths"]["/healthz"]["get"]
+        assert (
+            "security" not in schema["paths"]["/healthz"]["get"] and "security" not in schema["paths"]["/readyz"]["get"]
+        )
 
 
 def test_listening_beyond_this_machine_without_a_key_is_warned_of():

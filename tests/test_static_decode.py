@@ -8,9 +8,9 @@ import torch
 
 from fastddrive.data.highway import episode_samples
 from fastddrive.decode import DECODERS
+from fastddrive.engine.static_decode import BUCKETS, CAPACITY_STEP
 from fastddrive.eval.bench import DecoderRun, _accepted_drafts
 from fastddrive.planner import load
-from fastddrive.static_decode import BUCKETS, CAPACITY_STEP
 from model_fixtures import SHRUNK_3B
 
 
@@ -84,7 +84,7 @@ def test_oracle_drafts_iterate_to_what_the_verifier_accepts():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled layer halves run on a GPU")
 def test_compiled_layer_halves_equal_the_eager_ones():
-    from fastddrive import layer_halves
+    from fastddrive.engine import layer_halves
 
     generator = torch.Generator(device="cuda").manual_seed(0)
 
@@ -110,8 +110,8 @@ def test_compiled_layer_halves_equal_the_eager_ones():
 
 
 def test_a_prompt_longer_than_a_bucket_is_prefilled_in_chunks_as_the_eager_path_does():
+    from fastddrive.engine.random_init import random_init_model
     from fastddrive.eval.roofline import sweep_prompt
-    from fastddrive.random_init import random_init_model
 
     eager = random_init_model("qwen2.5-vl-3b", "cpu", torch.float32, shrink=SHRUNK_3B)
     static = random_init_model("qwen2.5-vl-3b", "cpu", torch.float32, shrink=SHRUNK_3B)

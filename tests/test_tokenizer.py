@@ -3,8 +3,8 @@ import base64
 import pytest
 from transformers import AutoTokenizer, Qwen2Tokenizer
 
-from fastddrive.schema import example_response, render
-from fastddrive.tokenizer import (
+from fastddrive.core.schema import example_response, render
+from fastddrive.core.tokenizer import (
     CHAT_TOKENS,
     MASK_TOKEN,
     NULL_TOKEN,

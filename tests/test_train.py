@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from fastddrive.core.scaffold import Scaffold
+from fastddrive.core.schema import SECTIONS
+from fastddrive.core.tokenizer import MissingDiffusionTokens, corpus_texts, train_tokenizer
 from fastddrive.data.build import build_dataset
-from fastddrive.data.sample import DrivingDataset
-from fastddrive.model_files import load_model, tiny_image_processor, tiny_qwen2_5_vl
-from fastddrive.scaffold import Scaffold
-from fastddrive.schema import SECTIONS
-from fastddrive.tokenizer import MissingDiffusionTokens, corpus_texts, train_tokenizer
+from fastddrive.data.dataset import DrivingDataset
+from fastddrive.engine.model_files import load_model, tiny_image_processor, tiny_qwen2_5_vl
 from fastddrive.train.checkpoint import list_checkpoints, validate_checkpoint
 from fastddrive.train.collate import IGNORE, DualStreamCollator
 from fastddrive.train.config import ConfigError, load_config

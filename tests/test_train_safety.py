@@ -12,11 +12,11 @@ from typer.testing import CliRunner
 import fastddrive
 import fastddrive.train.loop as loop
 from fastddrive.cli import app
-from fastddrive.data.sample import DATASET_FORMAT, MANIFEST, write_shard
-from fastddrive.memory import MemoryBudgetError
-from fastddrive.model_files import model_path
-from fastddrive.outputs import OutputError
-from fastddrive.tokenizer import load_tokenizer
+from fastddrive.core.memory import MemoryBudgetError
+from fastddrive.core.outputs import OutputError
+from fastddrive.core.tokenizer import load_tokenizer
+from fastddrive.data.dataset import DATASET_FORMAT, MANIFEST, write_shard
+from fastddrive.engine.model_files import model_path
 from fastddrive.train.checkpoint import CHECKSUMS, CheckpointError, list_checkpoints, validate_checkpoint
 from fastddrive.train.config import ConfigError, load_config
 from fastddrive.train.loop import NonFiniteLoss, train
@@ -273,7 +273,7 @@ def test_a_sample_whose_numbers_are_not_finite_is_named_before_anything_is_writt
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from fastddrive.data.sample import _SCHEMA, shard_record, to_row
+    from fastddrive.data.dataset import _SCHEMA, shard_record, to_row
 
     rows = [to_row(synthetic_sample(s)) for s in range(3)]
     rows[2]["history"] = [float("nan")] * len(rows[2]["history"])

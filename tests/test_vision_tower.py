@@ -6,8 +6,8 @@ import pytest
 import torch
 from PIL import Image
 
-from fastddrive.random_init import random_init_model
-from fastddrive.vision_tower import VisionTower
+from fastddrive.engine.random_init import random_init_model
+from fastddrive.engine.vision_tower import VisionTower
 from model_fixtures import SHRUNK_3B
 
 

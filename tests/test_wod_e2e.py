@@ -8,9 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fastddrive.core.metrics import rater_feedback_score
+from fastddrive.core.sample import DrivingSample
+from fastddrive.core.schema import parse
 from fastddrive.data.build import OutputExists, write_manifest
+from fastddrive.data.dataset import DrivingDataset, write_shard
 from fastddrive.data.highway import episode_samples
-from fastddrive.data.sample import DrivingDataset, DrivingSample, write_shard
 from fastddrive.data.wod_e2e import (
     PROMPT,
     RELEASE_MAX_PIXELS,
@@ -31,8 +34,6 @@ from fastddrive.data.wod_tfrecord import (
     read_records,
     write_records,
 )
-from fastddrive.eval.metrics import rater_feedback_score
-from fastddrive.schema import parse
 
 FRAMES = {split: f"{split}.tfrecord-00000-of-00001" for split in ("training", "validation", "test")}
 

@@ -7,8 +7,11 @@ result = planner.plan(images=[frame], history=history, command="go_straight", de
 
 from typing import Any
 
+from fastddrive import _moved
+
 __version__ = "0.1.0"
 _PLANNER_NAMES = ("load", "Planner", "PlanInputs")
+_moved.install()
 
 
 def __getattr__(name: str) -> Any:

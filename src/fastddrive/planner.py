@@ -19,7 +19,9 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from fastddrive.data.sample import (
+from fastddrive.core.inputs import MAX_IMAGE_PIXELS
+from fastddrive.core.prompt import chat_text
+from fastddrive.core.sample import (
     HISTORY_COLUMNS,
     HISTORY_STEPS,
     NAV_COMMANDS,
@@ -28,15 +30,13 @@ from fastddrive.data.sample import (
     check_history,
     check_image,
 )
+from fastddrive.core.scaffold import DEFAULT_EXPLANATION_BUDGET, Scaffold
+from fastddrive.core.tokenizer import load_tokenizer
 from fastddrive.decode.footprint import ModelSizes, check_decode_memory
 from fastddrive.decode.registry import check_drafts, check_options, check_runs_on, decode, vocabulary_size
 from fastddrive.decode.result import DecodeResult
-from fastddrive.inputs import MAX_IMAGE_PIXELS
-from fastddrive.model import BlockDiffusionModel, PromptInputs
-from fastddrive.model_files import check_device, load_model, model_path, read_info
-from fastddrive.prompt import chat_text
-from fastddrive.scaffold import DEFAULT_EXPLANATION_BUDGET, Scaffold
-from fastddrive.tokenizer import load_tokenizer
+from fastddrive.engine.model import BlockDiffusionModel, PromptInputs
+from fastddrive.engine.model_files import check_device, load_model, model_path, read_info
 
 # Twice the largest camera rig of the data sets read here (8 cameras in WOD-E2E); every image adds its patches
 # to the prompt, and the embedded models were trained on one.

@@ -43,7 +43,7 @@ def settings(
     ] = None,
 ) -> None:
     """Fast block-diffusion driving planners."""
-    from fastddrive.memory import BUDGET_ENV, machine_memory_bytes, parse_budget
+    from fastddrive.core.memory import BUDGET_ENV, machine_memory_bytes, parse_budget
 
     if memory_budget is not None:
         with user_errors():
@@ -64,22 +64,23 @@ def _restore(name: str, value: str | None) -> None:
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Known bad input becomes one clear line on stderr and exit status 2, not a traceback."""
+    from fastddrive.core.memory import MemoryBudgetError
+    from fastddrive.core.outputs import OutputError
+    from fastddrive.core.sample import SampleError
+    from fastddrive.core.schema import ResponseError
+    from fastddrive.core.tokenizer import MissingDiffusionTokens, TokenizerError
     from fastddrive.data.build import OutputExists
+    from fastddrive.data.dataset import DatasetError
     from fastddrive.data.highway import UnknownScenario
-    from fastddrive.data.sample import DatasetError, SampleError
     from fastddrive.decode.planning_vocabulary import PlanningVocabularyError
     from fastddrive.decode.registry import DecoderError
     from fastddrive.drive import DriveError
+    from fastddrive.engine.model_check import ModelFileError
+    from fastddrive.engine.model_files import DeviceError
+    from fastddrive.engine.random_init import UnknownPreset
     from fastddrive.eval.roofline import RooflineError
-    from fastddrive.memory import MemoryBudgetError
-    from fastddrive.model_check import ModelFileError
-    from fastddrive.model_files import DeviceError
-    from fastddrive.outputs import OutputError
-    from fastddrive.random_init import UnknownPreset
-    from fastddrive.schema import ResponseError
     from fastddrive.serve.guards import ListenError
     from fastddrive.serve.loadtest import LoadTestError
-    from fastddrive.tokenizer import MissingDiffusionTokens, TokenizerError
     from fastddrive.train.checkpoint import CheckpointError
     from fastddrive.train.config import ConfigError
 

@@ -126,8 +126,8 @@ def data_verify(
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON.")] = None,
 ) -> None:
     """Every shard of a data set against its manifest: ok, missing, damaged or unrecorded (exit 1 if any)."""
+    from fastddrive.core.outputs import check_file_destination, write_json
     from fastddrive.data.verify import verify_dataset
-    from fastddrive.outputs import check_file_destination, write_json
 
     with user_errors():
         if json_out is not None:
@@ -222,7 +222,7 @@ def data_export(
 ) -> None:
     """Write a dataset in a real data set's layout (the adapters read it back; users point tools at it):
     nuScenes v1.0 tables, frames and CAN bus messages, or WOD-E2E release JSON and frames."""
-    from fastddrive.data.sample import SPLITS, DatasetError
+    from fastddrive.data.dataset import SPLITS, DatasetError
 
     with user_errors():
         if format not in ("wod-e2e", "nuscenes"):
@@ -258,11 +258,11 @@ def data_show(
     png: Annotated[Path | None, typer.Option(help="Write the frame with history and future here.")] = None,
 ) -> None:
     """Print one sample's target JSON; optionally draw it."""
-    from fastddrive.data.sample import DrivingDataset
+    from fastddrive.core.outputs import check_file_destination
+    from fastddrive.core.prompt import user_text
+    from fastddrive.core.schema import render
+    from fastddrive.data.dataset import DrivingDataset
     from fastddrive.eval.plots import draw_scene
-    from fastddrive.outputs import check_file_destination
-    from fastddrive.prompt import user_text
-    from fastddrive.schema import render
 
     with user_errors():
         if png is not None:
@@ -289,12 +289,12 @@ def data_stats(
 ) -> None:
     """Counts per scenario, meta-behaviour distribution, explanation truncations, the scaffold table; an
     incomplete data set is said to be so (its figures cover what is written)."""
-    from fastddrive.data.build import DataSettingsError
-    from fastddrive.data.sample import DrivingDataset
+    from fastddrive.core.outputs import check_file_destination, write_json
+    from fastddrive.core.scaffold import DEFAULT_EXPLANATION_BUDGET, SCAFFOLD_TOKENIZATIONS, Scaffold
+    from fastddrive.core.tokenizer import default_tokenizer_path, load_tokenizer
+    from fastddrive.data.dataset import DrivingDataset
+    from fastddrive.data.episodes import DataSettingsError
     from fastddrive.data.stats import dataset_stats
-    from fastddrive.outputs import check_file_destination, write_json
-    from fastddrive.scaffold import DEFAULT_EXPLANATION_BUDGET, SCAFFOLD_TOKENIZATIONS, Scaffold
-    from fastddrive.tokenizer import default_tokenizer_path, load_tokenizer
 
     with user_errors():
         if explanation_budget is not None and not 1 <= explanation_budget <= MAX_EXPLANATION_BUDGET:

@@ -56,10 +56,10 @@ def drive_command(
 
     Every setting and the places written (--out, --video, --json) are checked before anything is loaded or
     driven; an episode that fails is reported, the others complete, and the exit status is 1."""
+    from fastddrive.core.outputs import check_file_destination, write_json
     from fastddrive.drive.run import check_settings, run_drive, title
     from fastddrive.drive.summary import rows_table, scenario_table
-    from fastddrive.model_files import model_path
-    from fastddrive.outputs import check_file_destination, write_json
+    from fastddrive.engine.model_files import model_path
 
     with user_errors():
         if json_out is not None:

@@ -31,12 +31,12 @@ def eval_command(
     exit status is 1. Data parallel under `accelerate launch --num_processes N -m fastddrive.cli eval ...`:
     each process answers a share of the split, and the main process prints the same table as one process."""
     import fastddrive
-    from fastddrive.data.sample import DatasetError, DrivingDataset
+    from fastddrive.core.outputs import check_file_destination, write_json
+    from fastddrive.data.dataset import DatasetError, DrivingDataset
     from fastddrive.decode.registry import parse_decoder_spec, split_decoders
     from fastddrive.eval.accuracy import evaluate_split
     from fastddrive.eval.parallel import device_of_process, is_main_process
     from fastddrive.eval.report import accuracy_json, accuracy_table, scenario_table
-    from fastddrive.outputs import check_file_destination, write_json
 
     with user_errors():
         if json_out is not None:
@@ -83,7 +83,7 @@ def eval_command(
 
 def _model_folders(*names: str | None) -> tuple[Path, ...]:
     """The folders of the models a command reads: inputs its outputs must stay out of."""
-    from fastddrive.model_files import model_path
+    from fastddrive.engine.model_files import model_path
 
     return tuple(model_path(name) for name in names if name)
 
@@ -153,11 +153,11 @@ def bench_command(
     import torch
 
     import fastddrive
+    from fastddrive.core.outputs import check_file_destination, write_json
     from fastddrive.decode.registry import DECODERS, parse_decoder_spec, split_decoders
     from fastddrive.eval.bench import DecoderRun, bench_scenes
     from fastddrive.eval.parallel import device_of_process, is_main_process
     from fastddrive.eval.plots import draw_frontier
-    from fastddrive.outputs import check_file_destination, write_json
 
     device = device_of_process(device)
     with user_errors():
@@ -173,7 +173,7 @@ def bench_command(
         weights = parse_dtype(dtype) if dtype else None
         chosen = bench_scenes(data, split, seed, (samples if data else scenes) + 1)
         if random_init is not None:
-            from fastddrive.random_init import random_init_model
+            from fastddrive.engine.random_init import random_init_model
 
             on_gpu = torch.device(device).type == "cuda"
             built = random_init_model(random_init, device, weights or (torch.bfloat16 if on_gpu else torch.float32))
@@ -256,10 +256,10 @@ def roofline_command(
     ] = True,
 ) -> None:
     """Latency of one decode forward against the tokens it carries, beside the weight-read floor."""
+    from fastddrive.core.outputs import check_file_destination, write_json
     from fastddrive.eval.plots import draw_roofline
     from fastddrive.eval.report import roofline_summary, roofline_table
     from fastddrive.eval.roofline import DEFAULT_TOKENS, measure_roofline, parse_tokens, roofline_model
-    from fastddrive.outputs import check_file_destination, write_json
 
     with user_errors():
         inputs = _model_folders(None if random_init else model)
@@ -296,9 +296,9 @@ def demo_command(
 ) -> None:
     """The tour: fresh simulator scenes planned by ar, ar-jump, sd, ss and tts; a table, an answer, pictures."""
     import fastddrive
-    from fastddrive.demo import demo_runs, write_demo
+    from fastddrive.core.outputs import check_folder_destination
     from fastddrive.eval.bench import bench_scenes, check_seed
-    from fastddrive.outputs import check_folder_destination
+    from fastddrive.eval.demo import demo_runs, write_demo
 
     with user_errors():
         check_folder_destination(out, "--out", inputs=_model_folders(model), own_folder=True)

@@ -43,10 +43,11 @@ def plan_command(
 
     Options, scene and the decode's estimated memory are checked before the model's weights load."""
     import fastddrive
-    from fastddrive.data.sample import DrivingDataset, SampleError
+    from fastddrive.core.inputs import read_history, read_image
+    from fastddrive.core.outputs import finite_json
+    from fastddrive.core.sample import SampleError
+    from fastddrive.data.dataset import DrivingDataset
     from fastddrive.decode.registry import get_decoder, parse_options
-    from fastddrive.inputs import read_history, read_image
-    from fastddrive.outputs import finite_json
     from fastddrive.planner import check_before_loading
 
     with user_errors():

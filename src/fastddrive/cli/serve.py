@@ -36,7 +36,7 @@ def serve_command(
         typer.Option(
             envvar="FASTDDRIVE_API_KEY",
             show_default=False,
-            help="Require 'Authorization: Bearer KEY' on every route but /healthz (401 otherwise).",
+            help="Require 'Authorization: Bearer KEY' on every route but /healthz and /readyz (401 otherwise).",
         ),
     ] = None,
     pvf_vocabulary: Annotated[
@@ -72,8 +72,8 @@ def serve_command(
 
     import fastddrive
     from fastddrive.decode.registry import get_decoder
+    from fastddrive.engine.model_files import check_device, model_path
     from fastddrive.eval.roofline import parse_dtype
-    from fastddrive.model_files import check_device, model_path
     from fastddrive.serve.app import create_app, run
     from fastddrive.serve.guards import exposure_warning, listening_socket
     from fastddrive.serve.limits import MIB, ServiceLimits, parse_caps
@@ -128,9 +128,9 @@ def serve_bench_command(
     throughput, p50/p99 latency, and the overhead per request (medians): the service's own (JSON, validation,
     image decoding, hand-over to the model worker) and as a client sees it (its HTTP stack and loopback too)."""
     import fastddrive
+    from fastddrive.core.outputs import check_file_destination, write_json
     from fastddrive.decode.registry import get_decoder, split_decoders
     from fastddrive.eval.bench import bench_scenes
-    from fastddrive.outputs import check_file_destination, write_json
     from fastddrive.serve.loadtest import client_counts, serve_bench
 
     with user_errors():

@@ -20,8 +20,8 @@ def tokenizer_train(
     vocab_size: Annotated[int, typer.Option(min=300, max=200_000, help="BPE vocabulary size.")] = 1024,
 ) -> None:
     """Train the byte-level BPE on prompts and answers of a dataset's train split."""
-    from fastddrive.data.sample import DrivingDataset
-    from fastddrive.tokenizer import check_tokenizer_destination, corpus_texts, save_tokenizer, train_tokenizer
+    from fastddrive.core.tokenizer import check_tokenizer_destination, corpus_texts, save_tokenizer, train_tokenizer
+    from fastddrive.data.dataset import DrivingDataset
 
     with user_errors():
         check_tokenizer_destination(out, "--out", inputs=(data,))
@@ -51,9 +51,9 @@ def tokenizer_table(
     ] = "pieces",
 ) -> None:
     """Print the scaffold table (paper 000 Table 1) and the slot budgets for a tokenizer."""
+    from fastddrive.core.scaffold import DEFAULT_EXPLANATION_BUDGET, Scaffold
+    from fastddrive.core.tokenizer import add_diffusion_tokens, default_tokenizer_path, load_tokenizer
     from fastddrive.data.stats import scaffold_table
-    from fastddrive.scaffold import DEFAULT_EXPLANATION_BUDGET, Scaffold
-    from fastddrive.tokenizer import add_diffusion_tokens, default_tokenizer_path, load_tokenizer
 
     with user_errors():
         loaded = load_tokenizer(tokenizer or default_tokenizer_path())

@@ -47,7 +47,16 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, TypeVar
 
-from fastddrive.data.sample import (
+from fastddrive.core.memory import check_allocation
+from fastddrive.core.outputs import (
+    TEMPORARY_MARK,
+    check_folder_destination,
+    is_temporary,
+    replace_folder,
+    staged_folder,
+    write_bytes,
+)
+from fastddrive.data.dataset import (
     DATASET_FORMAT,
     MANIFEST,
     SHARDS,
@@ -61,25 +70,17 @@ from fastddrive.data.sample import (
     shards_on_disk,
     write_shard,
 )
-from fastddrive.memory import check_allocation
-from fastddrive.outputs import (
-    TEMPORARY_MARK,
-    check_folder_destination,
-    is_temporary,
-    replace_folder,
-    staged_folder,
-    write_bytes,
+from fastddrive.data.episodes import (
+    RATER_SPLITS,
+    SOURCE,
+    DataSettingsError,
+    EpisodeJob,
+    _whole,
+    check_episode_settings,
+    plan_episodes,
 )
 
-# Over every 10 rounds of scenarios: 8 to train, 1 to val, 1 to test; test comes early so that
-# small datasets have one.
-SPLIT_CYCLE = ("train", "test", "train", "val", "train", "train", "train", "train", "train", "train")
-SEED_STRIDE = 100_000
-MAX_EPISODES = SEED_STRIDE  # episode i of seed s is seeded s * SEED_STRIDE + i: more would reuse the next seed's
-MAX_SEED = (2**63 - 1) // SEED_STRIDE - 1  # every episode seed fits the int64 `episode_seed` column
 MANIFEST_VERSION = 2  # 2: the manifest records every shard (SHARDS); 1: it did not
-RATER_SPLITS = ("val", "test")  # the splits that are scored with the rater feedback score
-SOURCE = "highway-env"
 WORKERS_PER_CPU = 2
 # What one worker process may hold: the simulator, its rater copies, a shard being written (about 200 MB
 # measured on a highway episode with raters; twice that for the larger scenes).
@@ -89,20 +90,6 @@ WORKER_DIED = "its worker process died"
 
 class OutputExists(FileExistsError):
     """The output folder already holds something that generating would overwrite."""
-
-
-class DataSettingsError(DatasetError):
-    """A setting of a data command outside its range; the message (one line) names it and the range."""
-
-
-@dataclass(frozen=True)
-class EpisodeJob:
-    index: int
-    scenario: str
-    seed: int
-    split: str
-    shard: str  # path relative to the dataset root
-    raters: bool = False  # roll out and score the simulated raters for every sample
 
 
 @dataclass(frozen=True)
@@ -141,22 +128,9 @@ def max_workers() -> int:
     return WORKERS_PER_CPU * usable_cpus()
 
 
-def _whole(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def check_build_settings(episodes: int, seed: int, workers: int = 1) -> None:
     """DataSettingsError (one line), before anything is simulated, for a setting outside its range."""
-    if not _whole(episodes) or not 1 <= episodes <= MAX_EPISODES:
-        raise DataSettingsError(
-            f"--episodes {episodes} is out of range: give 1 to {MAX_EPISODES} (episodes of one seed are seeded "
-            f"seed * {SEED_STRIDE} + i)"
-        )
-    if not _whole(seed) or not 0 <= seed <= MAX_SEED:
-        raise DataSettingsError(
-            f"--seed {seed} is out of range: give 0 to {MAX_SEED} (episode i is seeded seed * {SEED_STRIDE} + i, "
-            "a non-negative 64-bit integer)"
-        )
+    check_episode_settings(episodes, seed)
     limit = max_workers()
     if not _whole(workers) or not 1 <= workers <= limit:
         raise DataSettingsError(
@@ -165,50 +139,6 @@ def check_build_settings(episodes: int, seed: int, workers: int = 1) -> None:
         )
     if workers > 1:
         check_allocation(f"--workers {workers}", workers * WORKER_BYTES)
-
-
-def settings_problem(settings: dict[str, Any]) -> str | None:
-    """What makes a manifest's settings unusable, naming the key (the simulator's settings plan its shards);
-    None when they are sound."""
-    source = settings.get("source")
-    if source is not None and not isinstance(source, str):
-        return "'settings.source' is not a string"
-    if source != SOURCE:
-        return None
-    episodes, seed, scenarios = settings.get("episodes"), settings.get("seed"), settings.get("scenarios")
-    if not _whole(episodes) or not 1 <= episodes <= MAX_EPISODES:
-        return f"'settings.episodes' is {episodes!r:.40}, not 1 to {MAX_EPISODES}"
-    if not _whole(seed) or not 0 <= seed <= MAX_SEED:
-        return f"'settings.seed' is {seed!r:.40}, not 0 to {MAX_SEED}"
-    if not isinstance(scenarios, list) or not scenarios or not all(isinstance(s, str) and s for s in scenarios):
-        return "'settings.scenarios' is not a list of scenario names"
-    return None
-
-
-def plan_episodes(
-    episodes: int, seed: int, scenarios: list[str], rater_splits: tuple[str, ...] = RATER_SPLITS
-) -> list[EpisodeJob]:
-    """Episode i uses scenario i mod S and seed `seed * 100000 + i`; its split follows SPLIT_CYCLE.
-
-    Episodes in `rater_splits` (val and test by default) get the simulated raters; training ones do not.
-    """
-    check_build_settings(episodes, seed)
-    jobs = []
-    for i in range(episodes):
-        scenario = scenarios[i % len(scenarios)]
-        split = SPLIT_CYCLE[(i // len(scenarios)) % len(SPLIT_CYCLE)]
-        episode_seed = seed * SEED_STRIDE + i
-        shard = f"{split}/{i:05d}-{scenario}-{episode_seed}.parquet"
-        jobs.append(EpisodeJob(i, scenario, episode_seed, split, shard, raters=split in rater_splits))
-    return jobs
-
-
-def planned_shards(settings: dict[str, object]) -> list[str] | None:
-    """The shards (relative paths) that a simulator dataset's manifest settings plan; None for another source."""
-    if settings.get("source") != SOURCE or settings_problem(settings) is not None:
-        return None
-    jobs = plan_episodes(int(settings["episodes"]), int(settings["seed"]), list(settings["scenarios"]))
-    return [job.shard for job in jobs]
 
 
 def _episode_key(job: EpisodeJob) -> str:

@@ -16,16 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from fastddrive.core.sample import FUTURE_STEPS, HISTORY_STEPS, CameraView, DrivingSample
+from fastddrive.core.schema import DrivingResponse
 from fastddrive.data import labels as rules
 from fastddrive.data.expert import STEP_HZ, ExpertVehicle
 from fastddrive.data.raters import RaterSet, rate
-from fastddrive.data.sample import (
-    FUTURE_STEPS,
-    HISTORY_STEPS,
-    CameraView,
-    DrivingSample,
-)
-from fastddrive.schema import DrivingResponse
 
 # isort: split
 # After data.expert has made pygame draw offscreen.

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastddrive.schema import CRITICAL_OBJECT_CLASSES, MetaBehavior
+from fastddrive.core.schema import CRITICAL_OBJECT_CLASSES, MetaBehavior
 
 LANE_HALF_WIDTH_M = 2.0
 NEARBY_ALONG_M, NEARBY_ACROSS_M, NEARBY_RADIUS_M = 20.0, 6.0, 12.0

@@ -70,21 +70,12 @@ import numpy as np
 from PIL import Image
 from scipy.spatial.transform import Rotation
 
+from fastddrive.core.outputs import check_folder_destination
+from fastddrive.core.sample import FUTURE_STEPS, HISTORY_STEPS, IMAGE_UNIT_PX, CameraView, DrivingSample
+from fastddrive.core.schema import DrivingResponse
 from fastddrive.data import labels as rules
 from fastddrive.data.build import holds_complete_dataset, prepare_output, staged_build, write_manifest
-from fastddrive.data.sample import (
-    FUTURE_STEPS,
-    HISTORY_STEPS,
-    IMAGE_UNIT_PX,
-    SPLITS,
-    CameraView,
-    DatasetError,
-    DrivingDataset,
-    DrivingSample,
-    write_shard,
-)
-from fastddrive.outputs import check_folder_destination
-from fastddrive.schema import DrivingResponse
+from fastddrive.data.dataset import SPLITS, DatasetError, DrivingDataset, write_shard
 
 HISTORY_KEYFRAMES = HISTORY_STEPS - 1  # 6 key frames behind t = 0 (3 s at 2 Hz)
 FUTURE_KEYFRAMES = FUTURE_STEPS // 2  # 10 key frames ahead (5 s)

@@ -47,8 +47,8 @@ from typing import Any
 import numpy as np
 from highway_env import utils
 
+from fastddrive.core.sample import FUTURE_STEPS
 from fastddrive.data.expert import STEP_HZ, ExpertVehicle
-from fastddrive.data.sample import FUTURE_STEPS
 
 RULE_VERSION = 1  # bump when a driver or the score rule changes: datasets record it in their manifest
 DRIVERS = ("expert", "cautious", "lane_change_left | lane_change_right | assertive")

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from rich.console import RenderableType
 from rich.table import Table
 
-from fastddrive.data.sample import SPLITS, DrivingDataset
+from fastddrive.core.scaffold import Scaffold
+from fastddrive.core.schema import parse
+from fastddrive.data.dataset import SPLITS, DrivingDataset
 from fastddrive.data.verify import unfinished
-from fastddrive.scaffold import Scaffold
-from fastddrive.schema import parse
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastddrive.data.sample import SHARD_STATES, SPLITS, DrivingDataset, ShardCheck, shards_on_disk
+from fastddrive.data.dataset import SHARD_STATES, SPLITS, DrivingDataset, ShardCheck, shards_on_disk
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,8 @@ def verify_dataset(root: str | Path, checksums: bool = True) -> VerifyReport:
     """Check every shard of the dataset in `root` (`checksums=False`: presence and size only, no reading).
 
     Raises DatasetError when `root` is not a dataset (no folder, no or an unreadable manifest)."""
-    from fastddrive.data.build import _episode_key, plan_episodes, planned_shards
+    from fastddrive.data.build import _episode_key
+    from fastddrive.data.episodes import plan_episodes, planned_shards
 
     dataset = DrivingDataset.open(root)
     manifest = dataset.manifest
@@ -157,7 +158,7 @@ def _by_shard(check: ShardCheck) -> str:
 def unfinished(dataset: DrivingDataset) -> str | None:
     """Why `dataset` is not complete, in words ("1 of 3 planned episodes written"); None when it is complete:
     its manifest says so and, for a simulator data set, every shard its settings plan is there."""
-    from fastddrive.data.build import planned_shards
+    from fastddrive.data.episodes import planned_shards
 
     manifest = dataset.manifest
     planned = planned_shards(manifest["settings"])

@@ -71,31 +71,30 @@ from typing import Any, Literal
 import numpy as np
 from PIL import Image
 
-from fastddrive.data.build import (
-    RATER_SPLITS,
-    OutputExists,
-    holds_complete_dataset,
-    prepare_output,
-    staged_build,
-    write_manifest,
-)
-from fastddrive.data.sample import (
+from fastddrive.core.outputs import check_folder_destination, is_temporary, write_bytes
+from fastddrive.core.sample import (
     FUTURE_INTERVAL_S,
     FUTURE_STEPS,
     HISTORY_INTERVAL_S,
     HISTORY_STEPS,
     IMAGE_UNIT_PX,
     MAX_RATERS,
-    SPLITS,
     CameraView,
-    DrivingDataset,
     DrivingSample,
     encode_png,
-    write_shard,
 )
+from fastddrive.core.schema import (
+    CRITICAL_OBJECT_CLASSES,
+    WAYPOINT_INTERVAL_S,
+    DrivingResponse,
+    MetaBehavior,
+    parse,
+    render,
+)
+from fastddrive.data.build import OutputExists, holds_complete_dataset, prepare_output, staged_build, write_manifest
+from fastddrive.data.dataset import SPLITS, DrivingDataset, write_shard
+from fastddrive.data.episodes import RATER_SPLITS
 from fastddrive.data.wod_tfrecord import CorruptRecord, WodFrame, encode_frame, read_frames, write_records
-from fastddrive.outputs import check_folder_destination, is_temporary, write_bytes
-from fastddrive.schema import CRITICAL_OBJECT_CLASSES, WAYPOINT_INTERVAL_S, DrivingResponse, MetaBehavior, parse, render
 
 SOURCE = "wod-e2e"
 RELEASE_SPLITS = {"train": "training", "val": "validation", "test": "test"}  # our split -> the file an export writes

@@ -33,7 +33,7 @@ import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 
-from fastddrive.outputs import write_bytes
+from fastddrive.core.outputs import write_bytes
 
 _HEADER = struct.Struct("<QI")  # length, masked crc of the length
 _CRC = struct.Struct("<I")

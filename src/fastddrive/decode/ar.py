@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from fastddrive.core.scaffold import Scaffold
 from fastddrive.decode.result import Decoded
 from fastddrive.decode.state import Canvas, TokenPicker, greedy, sampler
-from fastddrive.model import BlockDiffusionModel, PromptInputs
-from fastddrive.scaffold import Scaffold
+from fastddrive.engine.model import BlockDiffusionModel, PromptInputs
 
 
 @torch.no_grad()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fastddrive.scaffold import Scaffold
+from fastddrive.core.scaffold import Scaffold
 
 BlockOf = Callable[[int], tuple[int, int]]  # first undecided position -> [start, end) of its block
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fastddrive.scaffold import Scaffold
+from fastddrive.core.scaffold import Scaffold
 
 
 def within_slots(logits: torch.Tensor, positions: Sequence[int], scaffold: Scaffold) -> torch.Tensor:

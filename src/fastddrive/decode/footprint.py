@@ -27,12 +27,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from fastddrive.decode.jacobi import FREE_SLACK
+from fastddrive.core.memory import check_allocation
+from fastddrive.core.scaffold import DEFAULT_BLOCK_SIZE
 from fastddrive.decode.jacobi_mr import POOL_PER_KEY
 from fastddrive.decode.options import OPTIONS
-from fastddrive.kv_cache import GROWTH
-from fastddrive.memory import check_allocation
-from fastddrive.scaffold import DEFAULT_BLOCK_SIZE
+from fastddrive.decode.state import FREE_SLACK
+from fastddrive.engine.kv_cache import GROWTH
 
 CANVAS_ROOM = 2 * DEFAULT_BLOCK_SIZE  # `Canvas.prefill` reserves the answer and two of its blocks after the prompt
 # Options that make a decoder's allocations grow, named in a refusal (the others change what is decoded, not

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from fastddrive.core.scaffold import Scaffold
 from fastddrive.decode.confidence import confident_positions, within_slots
 from fastddrive.decode.mdm import DEFAULT_TAU
 from fastddrive.decode.result import Decoded
-from fastddrive.model import BlockDiffusionModel, PromptInputs
-from fastddrive.scaffold import Scaffold
+from fastddrive.engine.model import BlockDiffusionModel, PromptInputs
 
 
 @torch.no_grad()

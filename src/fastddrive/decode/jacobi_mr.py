@@ -16,7 +16,8 @@ Candidates ride in the sequence dimension of the same forward: each sees the cac
 uncached head and itself only (a tree mask, as lookahead decoding verifies n-grams), which is the
 batched verification of Algorithm 1 without copying the prefix's keys and values into more rows.
 
-Lossless: only verified tokens are committed, each one the AR head's argmax given committed tokens.
+Lossless: RA's draft or a candidate is committed by `acceptance.accept`, whose invariant makes every token the
+AR head's argmax given committed tokens.
 """
 
 from __future__ import annotations
@@ -27,17 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-from fastddrive.decode.jacobi import (
-    Answer,
-    Guesser,
-    Verified,
-    check_block_size,
-    commit,
-    verify_rows,
-)
+from fastddrive.core.scaffold import Scaffold
+from fastddrive.decode.jacobi import Guesser, check_block_size, jacobi_canvas, verify_rows
 from fastddrive.decode.result import Decoded
-from fastddrive.model import BlockDiffusionModel, PromptInputs
-from fastddrive.scaffold import Scaffold
+from fastddrive.decode.state import Canvas, greedy
+from fastddrive.engine.model import BlockDiffusionModel, PromptInputs
 
 POOL_PER_KEY = 4  # continuations kept per key token (the most recent)
 # The block of Jacobi Forcing's later rounds (paper 003 section 4.1 trains at 16, then 32). On 16 validation
@@ -118,12 +113,12 @@ def layout(head: list[int], draft: list[int], pseudo: list[list[int]], candidate
 
 
 class MultiBlockJacobi:
-    """Algorithm 1 on one answer: `step` takes one forward (or an AR step with none) until it is done."""
+    """Algorithm 1 on one canvas: `step` takes one forward (or an AR step with none) until it is done."""
 
     def __init__(
-        self, answer: Answer, guesser: Guesser, block_size: int, max_blocks: int, spawn_ratio: float, candidates: int
+        self, canvas: Canvas, guesser: Guesser, block_size: int, max_blocks: int, spawn_ratio: float, candidates: int
     ) -> None:
-        self.answer = answer
+        self.canvas = canvas
         self.guesser = guesser
         self.n = block_size
         self.max_blocks = max_blocks
@@ -134,56 +129,58 @@ class MultiBlockJacobi:
         self.stats = {"candidate_wins": 0, "spawned_blocks": 0, "promoted_drafts": 0}
 
     def new_block(self, start: int, guess: list[int] | None = None) -> Block:
-        end = min(start + self.n, len(self.answer.template))
+        end = min(start + self.n, len(self.canvas))
         tokens = (guess or [])[: end - start]
         tokens += self.guesser(start + len(tokens), end - start - len(tokens))
-        return Block(start, end, self.answer.fixed(start, tokens))
+        return Block(start, end, self.canvas.forced(start, tokens))
 
     def promote(self) -> None:
         """Make sure the real-active block holds the first uncommitted position."""
-        answer = self.answer
-        while not self.blocks or answer.committed >= self.blocks[0].end:
+        canvas = self.canvas
+        while not self.blocks or canvas.committed >= self.blocks[0].end:
             finished = self.blocks.pop(0) if self.blocks else None
             if not self.blocks:
-                start = finished.end if finished else answer.committed - answer.committed % self.n
+                start = finished.end if finished else canvas.committed - canvas.committed % self.n
                 self.blocks.append(self.new_block(start))
             else:
                 self.stats["promoted_drafts"] += 1
             self.blocks[0].pseudo_accepted = 0  # everything in RA is verified again
 
     def step(self, model: BlockDiffusionModel) -> None:
-        answer = self.answer
+        """One forward of Algorithm 1 (lines 4-14), or an AR step with none when the next logits are known."""
+        canvas = self.canvas
         self.promote()
-        if answer.cached == answer.committed:
-            answer.commit_seed()
-            answer.accepted_per_step.append(1)
+        if canvas.cached == canvas.committed:
+            canvas.commit_seed(greedy)
+            canvas.accepted_per_step.append(1)
             return
         ra = self.blocks[0]
-        first = answer.committed
-        ra.iterate[: first - ra.start] = answer.ids[ra.start : first]
+        first = canvas.committed
+        ra.iterate[: first - ra.start] = canvas.ids[ra.start : first]
         draft = ra.iterate[first - ra.start :]
         pseudo = self.blocks[1:]
         candidates = self.pool_candidates(draft)
-        plan = layout(answer.head(), draft, [b.iterate for b in pseudo], candidates)
-        logits = model.forward(answer.cache, plan.tokens, plan.pattern, plan.offsets, keep=plan.head + plan.draft)[0]
+        plan = layout(canvas.head(), draft, [b.iterate for b in pseudo], candidates)
+        logits = model.forward(canvas.cache, plan.tokens, plan.pattern, plan.offsets, keep=plan.head + plan.draft)[0]
 
         # Real-active block and candidates: greedy verification; the best one commits.
         seed_row = logits[plan.head - 1 : plan.head]
-        verified = verify_rows(answer, first, draft, logits[plan.head - 1 : plan.head + plan.draft])
+        verified = verify_rows(canvas, first, draft, logits[plan.head - 1 : plan.head + plan.draft])
         best, best_tokens = verified, draft
         for row, candidate in zip(plan.candidate_rows, candidates, strict=True):
             rows = torch.cat([seed_row, logits[row : row + len(candidate)]])
-            trial = verify_rows(answer, first, candidate, rows)
-            if trial.agreed > best.agreed:
+            trial = verify_rows(canvas, first, candidate, rows)
+            if trial.accepted.agreed > best.accepted.agreed:
                 best, best_tokens = trial, candidate
         if best is verified:
-            committed = commit(answer, first, verified, first + verified.agreed)
+            committed = canvas.commit(verified.accepted, verified.after)
         else:
             self.stats["candidate_wins"] += 1
             # The candidate's keys and values were not kept: its tokens are fed again as the head.
-            committed = commit(answer, first, Verified(best.targets, best.agreed, None), first)
-        answer.accepted_per_step.append(committed)
-        self.pool.add(draft[max(0, verified.agreed - 1) :])  # the rejected tail, from the last agreeing token
+            committed = canvas.commit(best.accepted, None, cached_to=first)
+        canvas.accepted_per_step.append(committed)
+        agreed = verified.accepted.agreed
+        self.pool.add(draft[max(0, agreed - 1) :])  # the rejected tail, from the last agreeing token
         # Jacobi update of RA's tail: the winner's predictions where it reached, RA's own beyond.
         tail = best.targets + verified.targets[len(best_tokens) :]
         ra.iterate[first - ra.start :] = tail
@@ -195,12 +192,12 @@ class MultiBlockJacobi:
     def pool_candidates(self, draft: list[int]) -> list[list[int]]:
         """Continuations of the last committed token from the pool, cut to RA's draft length, the
         template put back, none equal to RA's own draft."""
-        answer, first = self.answer, self.answer.committed
+        canvas, first = self.canvas, self.canvas.committed
         chosen: list[list[int]] = []
-        for gram in self.pool.continuations(answer.ids[-1]):
+        for gram in self.pool.continuations(canvas.ids[first - 1]):
             if len(chosen) == self.candidates:
                 break
-            candidate = answer.fixed(first, gram[: len(draft)])
+            candidate = canvas.forced(first, gram[: len(draft)])
             if candidate and candidate != draft[: len(candidate)] and candidate not in chosen:
                 chosen.append(candidate)
         return chosen
@@ -208,7 +205,7 @@ class MultiBlockJacobi:
     def refine(self, block: Block, rows: torch.Tensor) -> None:
         """A pseudo-active block after a forward: row j predicts its position j. Its pseudo-accepted prefix
         grows while the iterate equals the prediction; the rest takes the predictions (Jacobi update)."""
-        predicted = self.answer.fixed(block.start, rows.argmax(-1).tolist())
+        predicted = self.canvas.forced(block.start, rows.argmax(-1).tolist())
         k = block.pseudo_accepted
         while k < len(block.iterate) and block.iterate[k] == predicted[k]:
             k += 1
@@ -217,11 +214,10 @@ class MultiBlockJacobi:
 
     def spawn(self, draft: list[int]) -> None:
         """Algorithm 1 line 14: a new pseudo-active block after the last, seeded with RA's draft."""
-        answer = self.answer
-        ra_accepted = answer.committed - self.blocks[0].start
+        ra_accepted = self.canvas.committed - self.blocks[0].start
         progressed = max([ra_accepted] + [b.pseudo_accepted for b in self.blocks[1:]])
         last = self.blocks[-1]
-        if progressed >= self.spawn_at and len(self.blocks) < self.max_blocks and last.end < len(answer.template):
+        if progressed >= self.spawn_at and len(self.blocks) < self.max_blocks and last.end < len(self.canvas):
             self.blocks.append(self.new_block(last.end, list(draft)))
             self.stats["spawned_blocks"] += 1
 
@@ -253,10 +249,10 @@ def jacobi_mr_decode(
     # A forward holds the answer's blocks (never past its end) and the candidates, each at most a block: the
     # pool keeps POOL_PER_KEY per key, so more candidates are never fed.
     room = (min(candidates, POOL_PER_KEY) + 1) * block_size
-    answer = Answer.prefill(model, prompt, scaffold, room=room)
+    canvas = jacobi_canvas(model, prompt, scaffold, room=room)
     decoder = MultiBlockJacobi(
-        answer, Guesser(model, prompt, seed, drafts), block_size, max_blocks, spawn_ratio, candidates
+        canvas, Guesser(model, prompt, seed, drafts), block_size, max_blocks, spawn_ratio, candidates
     )
-    while not answer.done:
+    while not canvas.done:
         decoder.step(model)
-    return Decoded(answer.answer_ids(), answer.accepted_per_step, dict(decoder.stats))
+    return Decoded(canvas.answer_ids(), canvas.accepted_per_step, dict(decoder.stats))

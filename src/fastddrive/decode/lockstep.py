@@ -5,11 +5,11 @@ The rollouts of `tts` stand at the same position in rows of one cache. Each forw
 committed tokens not yet cached and its guesses for the next `window` positions, causally, and the
 verifier picks each row's token at every fed position given the guesses before it (`RowPicker`: one
 uniform per position and seed, so a token is the same exact AR sample whichever forward computed its
-logits). A row's guesses agree with its tokens up to its first mismatch. The rows commit, together, up
-to the shortest agreement and the token after it: exact for every row, since all its guesses before
-that token agreed. So the rows stay at one length, and every forward takes the cache's plain path (one
-rope slice, one mask slice, in-place writes) where rows that each commit their own agreement would
-need per-row masks and scattered writes.
+logits). A row's guesses agree with its tokens up to its first mismatch (`acceptance.accept`). The rows
+commit, together, up to the shortest agreement and the token after it: exact for every row by the rule's
+invariant, since all its guesses before that token agreed. So the rows stay at one length, and every
+forward takes the cache's plain path (one rope slice, one mask slice, in-place writes) where rows that
+each commit their own agreement would need per-row masks and scattered writes.
 
 The guesses past the commit become this forward's tokens there (the Jacobi update): a token that does
 not depend on the mismatch before it, as most digits of a trajectory do not, is accepted by the next
@@ -27,22 +27,20 @@ from collections.abc import Sequence
 
 import torch
 
-from fastddrive.decode.jacobi import agreement
+from fastddrive.decode.acceptance import Accepted, accept
 from fastddrive.decode.state import Canvas, RowPicker
-from fastddrive.masks import CAUSAL
-from fastddrive.model import BlockDiffusionModel
+from fastddrive.engine.masks import CAUSAL
+from fastddrive.engine.model import BlockDiffusionModel
 
 DEFAULT_WINDOW = 24  # on the embedded model's trajectories 16 and 32 took longer on a 2-core CPU (README)
 
 
-def commit_rows(canvases: Sequence[Canvas], first: int, tokens: list[list[int]], count: int, cached: int) -> None:
-    """Every row commits its tokens for positions [first, first + count) and its cache keeps response
-    positions [0, cached) (the lengths are equal: one crop for all rows)."""
-    canvases[0].cache.crop(canvases[0].prompt_length + cached)
+def commit_rows(canvases: Sequence[Canvas], tokens: list[list[int]], agreed: int) -> None:
+    """Every row commits its first `agreed` tokens and the one after them if it has one, all rows equally long
+    (`Canvas.commit`); its cache keeps the `agreed`."""
+    count = min(agreed + 1, len(tokens[0]))
     for canvas, row in zip(canvases, tokens, strict=True):
-        canvas.ids[first : first + count] = row[:count]
-        canvas.committed, canvas.cached, canvas.next_logits = first + count, cached, None
-        canvas.accepted_per_step.append(count)
+        canvas.accepted_per_step.append(canvas.commit(Accepted(agreed, row[:count])))
 
 
 @torch.no_grad()
@@ -64,7 +62,7 @@ def lockstep_rollouts(
     iterates = [lead.forced(0, list(start)) for start in starts]  # the scaffold is its own guess
     if lead.cached == lead.committed < length:  # the rows' next logits predict `committed`: a step, no forward
         first, logits = lead.committed, torch.stack([c.next_logits for c in canvases])[:, None]
-        commit_rows(canvases, first, [lead.forced(first, row) for row in pick(logits, first).tolist()], 1, first)
+        commit_rows(canvases, [lead.forced(first, row) for row in pick(logits, first).tolist()], 0)
     while lead.committed < length:
         first, head = lead.committed, len(lead.head())
         end = min(first + window, length)  # guessed positions [first, end)
@@ -73,8 +71,8 @@ def lockstep_rollouts(
         picked = min(end + 1, length) - first  # the guessed positions and the one after them
         rows = pick(logits[:, head - 1 : head - 1 + picked], first).tolist()
         tokens = [lead.forced(first, row) for row in rows]
-        agreed = min(agreement(row, iterate[first:end]) for row, iterate in zip(tokens, iterates, strict=True))
-        count = min(agreed + 1, picked)
-        commit_rows(canvases, first, tokens, count, first + agreed)
+        agreed = min(accept(iterate[first:end], row).agreed for row, iterate in zip(tokens, iterates, strict=True))
+        commit_rows(canvases, tokens, agreed)
+        count = lead.committed - first
         for row, iterate in zip(tokens, iterates, strict=True):  # the Jacobi update past the commit
             iterate[first + count : first + picked] = row[count:]

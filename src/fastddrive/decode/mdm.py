@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from fastddrive.core.scaffold import DEFAULT_BLOCK_SIZE, Scaffold
 from fastddrive.decode.blocks import BlockOf, grid_blocks, section_blocks
 from fastddrive.decode.confidence import confident_positions, masked_rows
 from fastddrive.decode.result import Decoded
 from fastddrive.decode.state import Canvas, greedy
-from fastddrive.model import BlockDiffusionModel, PromptInputs
-from fastddrive.scaffold import DEFAULT_BLOCK_SIZE, Scaffold
+from fastddrive.engine.model import BlockDiffusionModel, PromptInputs
 
 DEFAULT_TAU = 0.9
 

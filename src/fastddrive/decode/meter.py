@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastddrive.model import BlockDiffusionModel
+from fastddrive.engine.model import BlockDiffusionModel
 
 
 @dataclass

@@ -36,6 +36,7 @@ import numpy as np
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
+from fastddrive.core.scaffold import DEFAULT_BLOCK_SIZE
 from fastddrive.decode.jacobi import DEFAULT_JACOBI_BLOCK
 from fastddrive.decode.jacobi_mr import DEFAULT_MR_BLOCK
 from fastddrive.decode.lockstep import DEFAULT_WINDOW
@@ -44,7 +45,6 @@ from fastddrive.decode.planning_vocabulary import VOCABULARY_FILE
 from fastddrive.decode.pvf import DEFAULT_FUSE_WRITE, DEFAULT_PLAN_BAND, DEFAULT_REVEAL, DEFAULT_TAU_AR, DEFAULT_WIDTH
 from fastddrive.decode.quadratic import DEFAULT_QUAD_BLOCK_SIZE
 from fastddrive.decode.tts import DEFAULT_ROLLOUTS, DEFAULT_TEMPERATURE
-from fastddrive.scaffold import DEFAULT_BLOCK_SIZE
 
 TRUE_TEXT = ("true", "yes", "1")
 FALSE_TEXT = ("false", "no", "0")

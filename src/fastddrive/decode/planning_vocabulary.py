@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastddrive.outputs import finite_json, write_text
+from fastddrive.core.outputs import finite_json, write_text
 
 VOCABULARY_FILE = "pvf_vocabulary.json"
 VOCABULARY_FORMAT = "fastddrive-pvf-vocabulary"

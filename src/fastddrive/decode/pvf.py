@@ -45,6 +45,7 @@ from typing import Any, Protocol
 
 import torch
 
+from fastddrive.core.scaffold import DEFAULT_BLOCK_SIZE, Scaffold
 from fastddrive.decode.blocks import BlockOf, section_blocks
 from fastddrive.decode.confidence import confident_positions, within_slots
 from fastddrive.decode.planning_vocabulary import (
@@ -54,8 +55,7 @@ from fastddrive.decode.planning_vocabulary import (
 )
 from fastddrive.decode.result import Decoded
 from fastddrive.decode.state import Canvas, greedy
-from fastddrive.model import BlockDiffusionModel, PromptInputs
-from fastddrive.scaffold import DEFAULT_BLOCK_SIZE, Scaffold
+from fastddrive.engine.model import BlockDiffusionModel, PromptInputs
 
 DEFAULT_TAU = 0.9  # tau_high, shared with `sd` (paper 001 section 5.1)
 DEFAULT_WIDTH = 4  # the base branch and 3 drafts in one forward (section 5.1: batch size 4)

@@ -6,18 +6,20 @@ i..i+B-1 after d_0. The first tokens see the cache and the first tokens before t
 verification of d_1..); a group's masks see its own group and the first tokens up to d_i (a block
 seeded at d_i, as in training). If d_0..d_{k-1} are accepted, group k-1 holds the next draft: the AR
 token after d_{k-1} (the bonus) and its masks' proposals. Only the first tokens of accepted groups stay
-in the cache. The ids equal greedy `ar`'s; the scaffold is forced by the verifier as in `ar`.
+in the cache. What is accepted follows `acceptance.accept`, so the ids equal greedy `ar`'s; the scaffold is
+forced by the verifier as in `ar`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from fastddrive.core.scaffold import Scaffold
+from fastddrive.decode.acceptance import accept
 from fastddrive.decode.confidence import within_slots
 from fastddrive.decode.result import Decoded
 from fastddrive.decode.state import Canvas, greedy
-from fastddrive.model import BlockDiffusionModel, PromptInputs
-from fastddrive.scaffold import Scaffold
+from fastddrive.engine.model import BlockDiffusionModel, PromptInputs
 
 DEFAULT_QUAD_BLOCK_SIZE = 8
 
@@ -53,12 +55,10 @@ def quadratic_speculative_decode(
         groups = torch.tensor([[d] + [mask_id] * (b - 1) for d in draft]).reshape(-1)
         logits = model.forward(canvas.cache, groups, allowed, offsets)[0].reshape(b, b, -1)
         verified, proposals = _read_groups(logits, base, canvas)
-        k = 1  # d_0 .. d_{k-1} accepted
-        while base + k < length:
-            ids[base + k] = verified[k - 1]
-            if k == b or draft[k] != ids[base + k]:
-                break  # the AR token at base + k is the bonus
-            k += 1
+        verifiable = min(b, length - base - 1)  # the verified positions base + 1, ... inside the answer
+        accepted = accept(draft[1 : 1 + verifiable], verified[:verifiable])
+        ids[base + 1 : base + 1 + len(accepted.tokens)] = accepted.tokens
+        k = accepted.agreed + 1  # d_0 .. d_{k-1} accepted; the AR token at base + k (if inside) is the bonus
         canvas.cache.keep(canvas.cache.length - b * b, [i * b for i in range(k)])
         canvas.cached = base + k
         canvas.committed = min(base + k + 1, length)

@@ -15,29 +15,28 @@ against the budget (`decode.footprint`).
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable, Sequence
-from functools import cache
 
 from transformers import PreTrainedTokenizerBase
 
+from fastddrive.core.scaffold import Scaffold
+from fastddrive.core.schema import DrivingResponse, ResponseError, parse
 from fastddrive.decode.ar import ar_decode, ar_jump_decode
 from fastddrive.decode.footprint import ModelSizes, check_decode_memory
 from fastddrive.decode.fullseq import full_sequence_decode
-from fastddrive.decode.jacobi import FREE_SLACK, jacobi_decode
+from fastddrive.decode.jacobi import jacobi_decode
 from fastddrive.decode.jacobi_mr import jacobi_mr_decode
 from fastddrive.decode.mdm import mdm_decode, section_diffusion_decode
 from fastddrive.decode.meter import ForwardMeter, synchronize
-from fastddrive.decode.options import OptionValueError, validate_options
+from fastddrive.decode.options import OPTIONS, OptionValueError, validate_options
 from fastddrive.decode.pvf import pvf_decode
 from fastddrive.decode.quadratic import quadratic_speculative_decode
 from fastddrive.decode.result import Decoded, DecodeResult
 from fastddrive.decode.speculative import scaffold_speculative_decode, self_speculative_decode
+from fastddrive.decode.state import FREE_SLACK
 from fastddrive.decode.tts import trajectory_rollouts_decode
-from fastddrive.model import BlockDiffusionModel, PromptInputs
-from fastddrive.scaffold import Scaffold
-from fastddrive.schema import DrivingResponse, ResponseError, parse
+from fastddrive.engine.model import BlockDiffusionModel, PromptInputs
 
 DecoderFn = Callable[..., Decoded]
 
@@ -69,18 +68,13 @@ class DecoderError(ValueError):
 
 
 def decoder_options(name: str) -> dict[str, object]:
-    """The options a decoder takes, with their defaults."""
-    return dict(_keyword_parameters(get_decoder(name)))
-
-
-@cache
-def _keyword_parameters(fn: DecoderFn) -> tuple[tuple[str, object], ...]:
-    # Read once per decoder: a service checks every request's options, and a signature costs 0.1 ms.
-    parameters = inspect.signature(fn).parameters.values()
-    return tuple((p.name, p.default) for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY)
+    """The options a decoder takes, with their defaults, as `decode.options` declares them (`OPTIONS`)."""
+    get_decoder(name)
+    return {key: field.default for key, field in OPTIONS[name].model_fields.items()}
 
 
 def get_decoder(name: str) -> DecoderFn:
+    """The decoder function registered as `name`; an unknown name is a DecoderError listing the decoders."""
     if name not in DECODERS:
         raise DecoderError(f"unknown decoder {name!r}; decoders: {', '.join(DECODERS)}")
     return DECODERS[name]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastddrive.schema import DrivingResponse
+from fastddrive.core.schema import DrivingResponse
 
 
 @dataclass

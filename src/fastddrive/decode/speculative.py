@@ -1,16 +1,17 @@
 """Linear self-speculative decoding: one MDM draft and one causal verify per block (paper 002 Algorithm 1),
 and Scaffold Speculative Decoding, the same loop over the frozen scaffold (paper 000 section 3.3).
 
-Both return exactly the ids of greedy `ar`: a value is committed only where it equals the AR head's
-token given the committed prefix, the first mismatch is replaced by that token (the bonus token), and
-the cache is cropped to what was accepted.
+Per block, `Speculation` takes the paper's steps in order (read them beside section 3.3):
 
-A `Speculation` walks one canvas through the rounds: `next_feed` does every step that needs no forward
-(a seed token from the last verify, scaffold-only blocks) and says what the next forward must read,
-`receive` takes that forward's logits. A round is `draft` (the MDM head fills the block's masks),
-`verify` (one causal forward over the uncached head and the draft, optionally drafting the next block
-in the same forward) and `accept`. `run` drives one canvas; `run_rows` drives several canvases that
-share one batched cache with one forward per step for all of them (test-time scaling's rollouts).
+1. `auto_accept`: a block with no value left is the scaffold, accepted with no forward;
+2. `draft` / `read_draft`: one forward in which the MDM head fills the block's value masks (`propose`);
+3. `verify` / `accept`: one causal forward over the draft; `acceptance.accept` keeps it up to its first
+   disagreement with the AR head plus the AR head's token there (the bonus), so both decoders return the ids
+   of greedy `ar` (the invariant is written once, in `acceptance`); the cache is cropped to what was accepted.
+
+`next_feed` takes every step that needs no forward and says what the next forward must read, `receive` takes
+that forward's logits. `run` drives one canvas; `run_rows` drives several canvases that share one batched
+cache with one forward per step for all of them (test-time scaling's rollouts).
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ from functools import lru_cache
 
 import torch
 
+from fastddrive.core.scaffold import DEFAULT_BLOCK_SIZE, Scaffold
+from fastddrive.decode import acceptance
 from fastddrive.decode.blocks import BlockOf, section_blocks, sliding_window
 from fastddrive.decode.confidence import masked_rows
 from fastddrive.decode.result import Decoded
 from fastddrive.decode.state import Canvas, TokenPicker, greedy
-from fastddrive.kv_cache import KVCache
-from fastddrive.masks import CAUSAL, FULL, as_pattern, block_mask
-from fastddrive.model import BlockDiffusionModel, PromptInputs
-from fastddrive.scaffold import DEFAULT_BLOCK_SIZE, Scaffold
+from fastddrive.engine.kv_cache import KVCache
+from fastddrive.engine.masks import CAUSAL, FULL, as_pattern, block_mask
+from fastddrive.engine.model import BlockDiffusionModel, PromptInputs
 
 
 @lru_cache(maxsize=256)
@@ -81,7 +83,13 @@ class DraftStats:
 
 
 class Speculation:
-    """Draft-verify-accept on one canvas until `until` positions are committed (all by default).
+    """Paper 000 section 3.3's rounds on one canvas until `until` positions are committed (all by default).
+
+    A block goes through the paper's steps in order: `auto_accept` (the scaffold, no forward), `draft` (the
+    MDM head fills the value masks, one forward, read by `read_draft`), `verify` (one causal forward over
+    the uncached head and the draft) and `accept` (`acceptance.accept`: the draft up to its first
+    disagreement with the AR head, and the AR head's token there). A forward is asked for by `next_feed`
+    and its logits handed back to `receive`, so that `run_rows` can batch the canvases of several rollouts.
 
     The draft is greedy; `pick` chooses the verifier's token (greedy, or sampled for test-time scaling:
     accepting a draft only where it equals the sample keeps every token an exact AR sample). With
@@ -117,29 +125,61 @@ class Speculation:
 
     def next_feed(self) -> Feed | None:
         """Take every step that needs no forward; return the forward this canvas needs next, or None."""
-        canvas, mask_id = self.canvas, self.canvas.scaffold.mask_id
+        canvas = self.canvas
         while canvas.committed < self.until:
-            if canvas.cached == canvas.committed:
+            if canvas.cached == canvas.committed:  # the last verify's bonus (or the prefill's next token)
                 canvas.commit_seed(self.pick)
                 continue
-            n = canvas.committed
-            start, end = self.block_of(n)
+            start, end = self.block_of(canvas.committed)
             end = min(end, self.until)
-            proposal = canvas.blank(n, end, self.scaffold_aware)
-            if mask_id not in proposal:  # scaffold only: accepted with no forward
-                canvas.committed = end
+            proposal = canvas.blank(canvas.committed, end, self.scaffold_aware)
+            if self.auto_accept(proposal, end):
                 continue
-            if self.drafted is not None and self.drafted[0] == n and len(self.drafted[1]) == end - n:
-                return self._verify_feed(end, self.drafted[1])
-            self.drafted = None
-            self._round = ("draft", n, end, proposal, None)
-            head = canvas.head()
-            causal_head = min(max(0, start - canvas.cached), len(head))
-            pattern = block_mask(len(head) + len(proposal), causal_head) if causal_head else FULL
-            return Feed(head + proposal, pattern, None, 0)
+            if (
+                self.drafted is not None
+                and self.drafted[0] == canvas.committed
+                and len(self.drafted[1]) == len(proposal)
+            ):
+                return self.verify(end, self.drafted[1])
+            return self.draft(start, end, proposal)
         return None
 
-    def _verify_feed(self, end: int, proposal: list[int]) -> Feed:
+    def receive(self, logits: torch.Tensor) -> None:
+        """Take the logits (tokens fed, V) of the forward `next_feed` asked for."""
+        if self._round[0] == "draft":
+            self.read_draft(logits)
+        else:
+            self.accept(logits)
+
+    def auto_accept(self, proposal: list[int], end: int) -> bool:
+        """Step 1: a block left with no value to decide is accepted as the scaffold, with no forward."""
+        if self.canvas.scaffold.mask_id in proposal:
+            return False
+        self.canvas.committed = end
+        return True
+
+    def draft(self, start: int, end: int, proposal: list[int]) -> Feed:
+        """Step 2's forward: the uncached head (causal before `start`) and the block's masks, which the MDM
+        head fills bidirectionally; nothing is kept in the cache."""
+        canvas = self.canvas
+        self.drafted = None
+        self._round = ("draft", canvas.committed, end, proposal, None)
+        head = canvas.head()
+        causal_head = min(max(0, start - canvas.cached), len(head))
+        pattern = block_mask(len(head) + len(proposal), causal_head) if causal_head else FULL
+        return Feed(head + proposal, pattern, None, 0)
+
+    def read_draft(self, logits: torch.Tensor) -> None:
+        """Step 2's draft: the MDM head's greedy tokens on the block's masks (`propose`)."""
+        _, first, _, proposal, _ = self._round
+        masked, tokens = self._propose(proposal, logits, len(self.canvas.head()) - 1, first)
+        for i, token in zip(masked, tokens.tolist(), strict=True):
+            proposal[i] = token
+        self.drafted = (first, proposal, False)
+
+    def verify(self, end: int, proposal: list[int]) -> Feed:
+        """Step 3's forward: the uncached head and the draft, causally, all kept in the cache; with `fuse`,
+        followed by the next block's draft (`fused_layout`) when that block has a value to decide."""
         canvas, mask_id = self.canvas, self.canvas.scaffold.mask_id
         fed = canvas.head() + proposal
         tail = None
@@ -152,19 +192,15 @@ class Speculation:
         offsets, allowed = fused_layout(len(fed), len(tail))
         return Feed(fed + tail, allowed, offsets, len(fed))
 
-    def receive(self, logits: torch.Tensor) -> None:
-        """Take the logits (tokens fed, V) of the forward `next_feed` asked for."""
-        kind, first, end, proposal, tail = self._round
-        head = len(self.canvas.head())
-        if kind == "draft":
-            masked, tokens = self._propose(proposal, logits, head - 1, first)
-            for i, token in zip(masked, tokens.tolist(), strict=True):
-                proposal[i] = token
-            self.drafted = (first, proposal, False)
-            return
+    def accept(self, logits: torch.Tensor) -> None:
+        """Step 3's acceptance of the verify's logits: commit by `acceptance.accept` (its invariant makes the
+        ids AR's); when the whole block is accepted, the verifier's next token seeds the next block and a
+        fused verify's draft of that block waits for its round."""
+        _, first, end, proposal, tail = self._round
         fused = self.drafted is not None and self.drafted[2]
         self.drafted = None
         canvas = self.canvas
+        head = len(canvas.head())
         canvas.cached += head + len(proposal)  # the verify kept head and proposal
         # The verifier's tokens and, for a fused verify, the next block's draft: one transfer to the host.
         picked = self.pick(logits[head - 1 : head - 1 + len(proposal)], torch.arange(first, end))
@@ -174,7 +210,7 @@ class Speculation:
             picked = torch.cat([picked, drafted])
         host = picked.tolist()
         targets = canvas.forced(first, host[: len(proposal)])
-        accepted = accept(canvas, proposal, targets, logits[head - 1 + len(proposal)])
+        accepted = canvas.commit(acceptance.accept(proposal, targets), logits[head - 1 + len(proposal)])
         self._count(fused, first, proposal)
         if canvas.cached == end and end < len(canvas):  # accepted whole: the bonus seeds the next block
             if end < self.until:
@@ -214,22 +250,6 @@ def propose(
     proposal[i]."""
     masked, rows = masked_rows(proposal, logits, row_of_first, first, canvas.scaffold)
     return masked, rows.argmax(-1)
-
-
-def accept(canvas: Canvas, proposal: list[int], targets: list[int], after: torch.Tensor) -> int:
-    """Commit the verifier's `targets` for `proposal` up to and including the first one that differs from
-    the draft (the bonus token) and crop the cache after the last agreeing one; returns how many were
-    committed. When all agree, `after` (the verify row after the proposal) predicts the next position."""
-    n = canvas.committed
-    for i, (drafted, target) in enumerate(zip(proposal, targets, strict=True)):
-        canvas.ids[n + i] = target
-        if target != drafted:
-            canvas.committed = n + i + 1
-            canvas.crop_to(n + i)
-            return i + 1
-    canvas.committed = n + len(proposal)
-    canvas.next_logits = after
-    return len(proposal)
 
 
 def run(model: BlockDiffusionModel, speculation: Speculation) -> None:

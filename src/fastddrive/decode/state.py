@@ -1,10 +1,14 @@
-"""What every scaffold decoder shares: the canvas of response ids, its cache, and how a token is chosen.
+"""What every decoder that keeps a cache shares: the canvas of answer ids, its cache, and how a token is chosen.
 
 DESIGN section 6. On a block-diffusion model the scaffold is forced: whatever a decoder drafts, a
 scaffold position ends up holding the template token, exactly as greedy `ar` feeds it. Decoders that
 know the scaffold (`ss`, `sd`, `fullseq`, `tts`, `ar-jump`) also show it to the model and never spend a
 forward on it alone; the scaffold-unaware ones (`selfspec`, `selfspec-quad`, `mdm`) mask every position
 they draft.
+
+The same `Canvas` carries a free answer: on an AR model writing the JSON freely (`jacobi`, `jacobi-mr`,
+paper 003) no position is scaffold and the answer ends at <|im_end|>, within FREE_SLACK positions past the
+scaffold's length.
 
 Tokens are chosen on the device for a whole block of logits at once and reach the host in one transfer
 per forward (`Canvas.targets`).
@@ -17,10 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastddrive.kv_cache import KVCache
-from fastddrive.model import BlockDiffusionModel, PromptInputs
-from fastddrive.scaffold import Scaffold
+from fastddrive.core.scaffold import Scaffold
+from fastddrive.decode.acceptance import Accepted
+from fastddrive.engine.kv_cache import KVCache
+from fastddrive.engine.model import BlockDiffusionModel, PromptInputs
 
+FREE_SLACK = 16  # an AR model writing freely may run this many tokens past the scaffold's length
 TokenPicker = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # logits (m, V), positions (m,) -> tokens (m,)
 # logits (rows, m, V) of rows at the same positions first, first + 1, ... -> tokens (rows, m)
 RowPicker = Callable[[torch.Tensor, int], torch.Tensor]
@@ -91,12 +97,13 @@ def row_picker(temperature: float, seeds: Sequence[int], length: int) -> RowPick
 
 @dataclass
 class Canvas:
-    """The response being decoded.
+    """The answer being decoded, by every decoder that keeps a cache (DESIGN section 6).
 
     Invariant: `ids` holds the template everywhere (values as |<MASK>|) and the committed tokens in
-    [0, committed). The cache holds the prompt and the response positions [0, cached), cached <=
+    [0, committed). The cache holds the prompt and the answer positions [0, cached), cached <=
     committed; the committed tokens ids[cached:committed] are fed at the head of the next forward.
     When cached == committed, `next_logits` is the causal row that predicts position `committed`.
+    A `free` canvas (an AR model writing freely) has no scaffold position and stops after `stop_id`.
     """
 
     scaffold: Scaffold
@@ -108,18 +115,56 @@ class Canvas:
     next_logits: torch.Tensor | None = None
     accepted_per_step: list[int] = field(default_factory=list)
     row: int = 0  # this canvas's row of the cache
+    free: bool = False
+    stop_id: int | None = None
 
     @classmethod
-    def prefill(cls, model: BlockDiffusionModel, prompt: PromptInputs, scaffold: Scaffold) -> Canvas:
-        """Prefill the prompt (one forward) and start an empty canvas after it."""
-        logits, cache = model.prefill(prompt, room=len(scaffold) + 2 * max(len(b) for b in scaffold.blocks()))
+    def prefill(
+        cls,
+        model: BlockDiffusionModel,
+        prompt: PromptInputs,
+        scaffold: Scaffold,
+        room: int | None = None,
+        free: bool = False,
+    ) -> Canvas:
+        """Prefill the prompt (one forward) and start an empty canvas after it, with `room` positions past
+        the answer for the widest forward (default: two of the scaffold's longest blocks). `free`: the
+        answer of an AR model writing freely, FREE_SLACK positions longer, ending at <|im_end|>."""
+        room = 2 * max(len(b) for b in scaffold.blocks()) if room is None else room
+        length = len(scaffold) + (FREE_SLACK if free else 0)
+        logits, cache = model.prefill(prompt, room=length + room)
+        if free:
+            stop_id = model.tokenizer.convert_tokens_to_ids("<|im_end|>")
+            return cls(
+                scaffold,
+                cache,
+                cache.length,
+                [scaffold.mask_id] * length,
+                next_logits=logits,
+                free=True,
+                stop_id=stop_id,
+            )
         return cls(scaffold, cache, cache.length, scaffold.template_ids.tolist(), next_logits=logits)
 
     def __len__(self) -> int:
         return len(self.ids)
 
+    @property
+    def done(self) -> bool:
+        """Every position committed, or the stop token of a free answer."""
+        return self.stopped or self.committed >= len(self.ids)
+
+    def answer_ids(self) -> list[int]:
+        """The committed ids, without the stop token of a free answer."""
+        return self.ids[: self.committed - 1] if self.stopped else self.ids[: self.committed]
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the last committed token is the stop token of a free answer."""
+        return self.stop_id is not None and self.committed > 0 and self.ids[self.committed - 1] == self.stop_id
+
     def is_scaffold(self, position: int) -> bool:
-        return not self.scaffold.is_value[position]
+        return not self.free and not self.scaffold.is_value[position]
 
     def targets(self, first: int, logits: torch.Tensor, pick: TokenPicker) -> list[int]:
         """The AR head's tokens at positions first, first + 1, ... from causal logits rows (m, V): the
@@ -128,6 +173,8 @@ class Canvas:
 
     def forced(self, first: int, picked: list[int]) -> list[int]:
         """Tokens picked for positions first, first + 1, ... with the template put back on the scaffold."""
+        if self.free:
+            return list(picked)
         template = self.scaffold.template_ids
         return [int(template[first + i]) if self.is_scaffold(first + i) else t for i, t in enumerate(picked)]
 
@@ -153,6 +200,20 @@ class Canvas:
         self.ids[self.committed] = self.targets(self.committed, self.next_logits[None], pick)[0]
         self.committed += 1
         self.next_logits = None
+
+    def commit(self, accepted: Accepted, after: torch.Tensor | None = None, cached_to: int | None = None) -> int:
+        """Commit what the verifier accepted at `committed` (`acceptance.accept`: the invariant is there), up
+        to the stop token of a free answer. The cache keeps the agreeing tokens (or positions [0, cached_to)
+        where the verified ones were not kept); when every token agreed, `after`, the verify row past them,
+        predicts the next position. Returns how many tokens were committed."""
+        first, tokens = self.committed, accepted.tokens
+        if self.stop_id in tokens:
+            tokens = tokens[: tokens.index(self.stop_id) + 1]
+        self.ids[first : first + len(tokens)] = tokens
+        self.committed = first + len(tokens)
+        self.crop_to(first + accepted.agreed if cached_to is None else cached_to)
+        self.next_logits = after if accepted.whole else None
+        return len(tokens)
 
     def crop_to(self, position: int) -> None:
         """Keep the cache up to response position `position` (exclusive)."""

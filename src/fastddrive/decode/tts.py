@@ -23,16 +23,16 @@ import time
 import numpy as np
 import torch
 
+from fastddrive.core.jmt import jmt_upsample
+from fastddrive.core.scaffold import DEFAULT_BLOCK_SIZE, Scaffold
+from fastddrive.core.schema import DrivingResponse, ResponseError
 from fastddrive.decode.blocks import section_blocks
 from fastddrive.decode.lockstep import DEFAULT_WINDOW, lockstep_rollouts
 from fastddrive.decode.meter import ForwardMeter, synchronize
 from fastddrive.decode.result import Decoded
 from fastddrive.decode.speculative import Speculation, run, run_rows
 from fastddrive.decode.state import Canvas, row_picker, sampler
-from fastddrive.eval.jmt import jmt_upsample
-from fastddrive.model import BlockDiffusionModel, PromptInputs
-from fastddrive.scaffold import DEFAULT_BLOCK_SIZE, Scaffold
-from fastddrive.schema import DrivingResponse, ResponseError
+from fastddrive.engine.model import BlockDiffusionModel, PromptInputs
 
 DEFAULT_ROLLOUTS = 4
 WAYPOINT_ROWS = slice(3, None, 4)  # t = 1, 2, 3, 4, 5 s of the 4 Hz trajectory

@@ -24,6 +24,9 @@ import numpy as np
 from highway_env.vehicle.controller import ControlledVehicle
 from highway_env.vehicle.kinematics import Vehicle
 
+from fastddrive.core.metrics import constant_velocity_m
+from fastddrive.core.sample import HISTORY_STEPS
+from fastddrive.core.schema import NUM_WAYPOINTS, WAYPOINT_INTERVAL_S
 from fastddrive.data.expert import STEP_HZ, ExpertVehicle
 from fastddrive.data.highway import (
     HISTORY_STRIDE,
@@ -36,14 +39,11 @@ from fastddrive.data.highway import (
     seeded_episode,
     vehicle_state,
 )
-from fastddrive.data.sample import HISTORY_STEPS
 from fastddrive.drive.controller import TrackingController
 from fastddrive.drive.metrics import lead_ttc_s
 from fastddrive.drive.plan import TimedPath, to_ego
 from fastddrive.drive.policies import EXPERT_DRIVES, Observation, Policy, Proposal
 from fastddrive.drive.route import Route
-from fastddrive.eval.metrics import constant_velocity_m
-from fastddrive.schema import NUM_WAYPOINTS, WAYPOINT_INTERVAL_S
 
 HANDOVER_S = (HISTORY_STEPS - 1) * HISTORY_STRIDE / STEP_HZ  # 3 s: the planner's history is full
 RECORD_S = 1.0 / STEP_HZ

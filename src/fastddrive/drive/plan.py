@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.interpolate import CubicSpline
 
-from fastddrive.schema import WAYPOINT_INTERVAL_S
+from fastddrive.core.schema import WAYPOINT_INTERVAL_S
 
 SAMPLE_S = 0.25
 

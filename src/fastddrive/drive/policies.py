@@ -18,12 +18,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from fastddrive.core.metrics import constant_velocity_m
+from fastddrive.core.schema import NUM_WAYPOINTS, WAYPOINT_INTERVAL_S
 from fastddrive.data.expert import STEP_HZ, ExpertVehicle
 from fastddrive.data.raters import simulator_copy
 from fastddrive.drive.plan import to_ego
-from fastddrive.eval.metrics import constant_velocity_m
 from fastddrive.planner import Planner
-from fastddrive.schema import NUM_WAYPOINTS, WAYPOINT_INTERVAL_S
 
 EXPERT_DRIVES, EXPERT_PLANS, CONSTANT_VELOCITY = "expert-drives", "expert-plans", "constant-velocity"
 REFERENCES = (EXPERT_DRIVES, EXPERT_PLANS, CONSTANT_VELOCITY)

@@ -22,9 +22,11 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from fastddrive.data.build import MAX_SEED, SEED_STRIDE
+from fastddrive.core.outputs import check_folder_destination, write_bytes
+from fastddrive.core.sample import HISTORY_COLUMNS, HISTORY_STEPS
+from fastddrive.core.schema import NUM_WAYPOINTS, WAYPOINT_INTERVAL_S
+from fastddrive.data.episodes import MAX_SEED, SEED_STRIDE
 from fastddrive.data.highway import FRAME_SIZE_PX, SCENARIOS, check_scenarios
-from fastddrive.data.sample import HISTORY_COLUMNS, HISTORY_STEPS
 from fastddrive.decode.registry import parse_decoder_spec, split_decoders
 from fastddrive.drive import DriveError
 from fastddrive.drive.closed_loop import HANDOVER_S, RECORD_S, EpisodeTrace, drive_episode
@@ -42,9 +44,7 @@ from fastddrive.drive.policies import (
 )
 from fastddrive.drive.summary import draw_summary, summarise
 from fastddrive.drive.video import write_gif
-from fastddrive.outputs import check_folder_destination, write_bytes
 from fastddrive.planner import Planner
-from fastddrive.schema import NUM_WAYPOINTS, WAYPOINT_INTERVAL_S
 
 RESULT_VERSION = 1  # bump when an episode's result would change for the same settings: old ones are not reused
 MAX_REPLAN_S = NUM_WAYPOINTS * WAYPOINT_INTERVAL_S  # a plan covers 5 s
@@ -116,7 +116,7 @@ def check_settings(
 ) -> DriveSettings:
     """Every setting checked before anything is simulated or loaded. The first problem raises one line:
     DecoderError (a decoder or its options), UnknownScenario, LatencyError, DeviceError, DriveError (the rest)."""
-    from fastddrive.model_files import check_device  # torch and the model code: only to check a device
+    from fastddrive.engine.model_files import check_device  # torch and the model code: only to check a device
 
     specs = split_decoders(decoders) if isinstance(decoders, str) else [s.strip() for s in decoders]
     for spec in specs:
@@ -143,7 +143,7 @@ def check_settings(
 def check_destinations(settings: DriveSettings) -> None:
     """OutputError unless the results folder and the video folder can be written: folders (made when missing),
     not the model's folder, a data set or the installed package, nor inside one."""
-    from fastddrive.model_files import model_path
+    from fastddrive.engine.model_files import model_path
 
     model = model_path(settings.model) if settings.decoders else None
     for option, folder in (("--out", settings.out), ("--video", settings.video)):
@@ -154,6 +154,8 @@ def check_destinations(settings: DriveSettings) -> None:
 
 @dataclass(frozen=True)
 class Job:
+    """One episode to drive: a planner (a decoder, or a reference when `decoder` is None) on a scenario and seed."""
+
     label: str
     decoder: str | None  # None for a reference planner
     scenario: str
@@ -162,6 +164,8 @@ class Job:
 
 @dataclass
 class EpisodeOutcome:
+    """What one episode gave: its metrics, or the traceback of a crash (the other episodes complete)."""
+
     job: Job
     result: dict[str, Any] | None
     error: str | None = None  # the traceback of an episode that crashed
@@ -169,6 +173,8 @@ class EpisodeOutcome:
 
 @dataclass
 class DriveReport:
+    """A finished `drive` run: one row per planner (the `--json` rows), every outcome, the failures, the summary PNG."""
+
     settings: DriveSettings
     rows: list[dict[str, Any]]
     outcomes: list[EpisodeOutcome]
@@ -194,6 +200,7 @@ class DriveReport:
 
 
 def episode_seed(seed: int, scenario: str, episode: int) -> int:
+    """The seed of episode `episode` of `scenario`: `seed * 100000 + 5 * episode + (index of the scenario)`."""
     return seed * SEED_STRIDE + episode * len(SCENARIOS) + list(SCENARIOS).index(scenario)
 
 

@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from fastddrive.outputs import atomic_file  # noqa: E402
+from fastddrive.core.outputs import atomic_file  # noqa: E402
 
 RATES = {"collision_rate": "collision", "offroad_rate": "offroad"}
 MEANS = ("route_completion", "driving_score", "mean_speed_mps", "jerk_mps3", "lat_accel_mps2", "ttc_violations")

@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from fastddrive.core.outputs import write_bytes
+from fastddrive.core.schema import WAYPOINT_INTERVAL_S
 from fastddrive.drive.closed_loop import RECORD_S, EpisodeTrace
 from fastddrive.drive.plan import SAMPLE_S
-from fastddrive.outputs import write_bytes
-from fastddrive.schema import WAYPOINT_INTERVAL_S
 
 IN_FORCE, DUE = (30, 170, 60), (240, 140, 0)
 

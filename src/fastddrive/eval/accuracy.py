@@ -20,10 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from fastddrive.data.sample import FUTURE_STEPS, DatasetError, DrivingDataset, DrivingSample, SampleError, from_row
-from fastddrive.decode.registry import DecoderError, decode
-from fastddrive.eval.jmt import jmt_upsample
-from fastddrive.eval.metrics import (
+from fastddrive.core.jmt import jmt_upsample
+from fastddrive.core.metrics import (
     STEPS_3S,
     ade_m,
     collision_rate,
@@ -34,11 +32,14 @@ from fastddrive.eval.metrics import (
     plan_collisions,
     rater_feedback_score,
 )
+from fastddrive.core.sample import FUTURE_STEPS, DrivingSample, SampleError
+from fastddrive.core.scaffold import Scaffold
+from fastddrive.core.schema import DrivingResponse
+from fastddrive.data.dataset import DatasetError, DrivingDataset, from_row
+from fastddrive.decode.registry import DecoderError, decode
+from fastddrive.engine.model import BlockDiffusionModel
 from fastddrive.eval.parallel import gather, share
-from fastddrive.model import BlockDiffusionModel
 from fastddrive.planner import Planner, prompt_inputs
-from fastddrive.scaffold import Scaffold
-from fastddrive.schema import DrivingResponse
 
 TWO_HZ = slice(1, 12, 2)  # t = 0.5, 1.0, ..., 3.0 s of a 4 Hz path starting at 0.25 s
 AGENTS_TWO_HZ = slice(2, 13, 2)  # the same times of the agents' paths, which start at t = 0
@@ -324,13 +325,6 @@ def evaluate_split(
         samples = stored_samples(dataset, split, start, stop)
         reports[label] = summarise(name, gather(answer_samples(planner, samples, name, options, on_sample)))
     return reports
-
-
-def evaluate_greedy_ar(
-    model: BlockDiffusionModel, samples: Iterable[DrivingSample], on_sample: Callable[[], None] | None = None
-) -> AccuracyReport:
-    """Greedy AR on every sample (scaffold forced on a block-diffusion model, free JSON on an AR one)."""
-    return evaluate(model, samples, "ar", on_sample=on_sample)
 
 
 def _mean_nested(values: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:

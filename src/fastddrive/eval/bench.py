@@ -17,13 +17,14 @@ from pathlib import Path
 
 import numpy as np
 
-from fastddrive.data.build import MAX_SEED, SEED_STRIDE
+from fastddrive.core.metrics import waypoint_ade_m
+from fastddrive.core.sample import DrivingSample, SampleError
+from fastddrive.data.dataset import DrivingDataset
+from fastddrive.data.episodes import MAX_SEED, SEED_STRIDE
 from fastddrive.data.highway import SCENARIOS, episode_samples
-from fastddrive.data.sample import DrivingDataset, DrivingSample, SampleError
 from fastddrive.decode.registry import DecoderError
 from fastddrive.decode.result import DecodeResult
 from fastddrive.eval.accuracy import StoredSample, stored_samples
-from fastddrive.eval.metrics import waypoint_ade_m
 from fastddrive.eval.parallel import gather, share
 from fastddrive.planner import Planner
 

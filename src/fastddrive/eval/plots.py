@@ -13,8 +13,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from fastddrive.data.sample import DrivingSample  # noqa: E402
-from fastddrive.outputs import atomic_file  # noqa: E402
+from fastddrive.core.outputs import atomic_file  # noqa: E402
+from fastddrive.data.dataset import DrivingSample  # noqa: E402
 
 
 def _save(fig: plt.Figure, path: str | Path, **options: object) -> Path:

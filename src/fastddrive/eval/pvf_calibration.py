@@ -20,7 +20,10 @@ from typing import Any
 
 import torch
 
-from fastddrive.data.sample import DatasetError, DrivingDataset, DrivingSample, SampleError
+from fastddrive.core.outputs import PACKAGE_ROOT, OutputError, check_file_destination
+from fastddrive.core.sample import DrivingSample, SampleError
+from fastddrive.core.scaffold import DEFAULT_BLOCK_SIZE, Scaffold
+from fastddrive.data.dataset import DatasetError, DrivingDataset
 from fastddrive.decode.blocks import section_blocks
 from fastddrive.decode.planning_vocabulary import (
     VOCABULARY_FILE,
@@ -31,12 +34,10 @@ from fastddrive.decode.planning_vocabulary import (
 )
 from fastddrive.decode.pvf import DEFAULT_TAU, BlockWalker, Candidate, Proposal, Verified
 from fastddrive.decode.state import Canvas
+from fastddrive.engine.model import BlockDiffusionModel, PromptInputs
+from fastddrive.engine.model_files import model_path
 from fastddrive.eval.accuracy import stored_samples
-from fastddrive.model import BlockDiffusionModel, PromptInputs
-from fastddrive.model_files import model_path
-from fastddrive.outputs import PACKAGE_ROOT, OutputError, check_file_destination
 from fastddrive.planner import Planner, load
-from fastddrive.scaffold import DEFAULT_BLOCK_SIZE, Scaffold
 
 DEFAULT_BAND = (0.15, 0.25)  # [tau_cal^l, tau_cal^u), Appendix A.2
 # Appendix A.2 keeps n_v >= 50 and m_v >= 20 over 1,000 calibration examples of up to 512 tokens; a scene

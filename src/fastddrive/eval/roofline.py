@@ -22,12 +22,12 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from fastddrive.core.memory import check_allocation
+from fastddrive.core.prompt import chat_text
 from fastddrive.decode.footprint import ModelSizes, Workload, workload_bytes
-from fastddrive.memory import check_allocation
-from fastddrive.model import BlockDiffusionModel, PromptInputs
-from fastddrive.model_files import load_model, model_path
-from fastddrive.prompt import chat_text
-from fastddrive.random_init import architecture_config, random_init_model
+from fastddrive.engine.model import BlockDiffusionModel, PromptInputs
+from fastddrive.engine.model_files import load_model, model_path
+from fastddrive.engine.random_init import architecture_config, random_init_model
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 33, 64, 128, 256, 512)
 # 16 times the default sweep's widest forward: past a few hundred tokens a forward is compute-bound on any

@@ -4,10 +4,11 @@ POST /v1/plan (JSON) and /v1/plan/form (the page's multipart form) answer what `
 prints; GET /healthz, /readyz, /metrics (Prometheus), /docs (OpenAPI), / (the page) and /v1/scenes (the scenes
 of a data folder, for the page). A full queue is a 503 with Retry-After, a request past its time a 504.
 
-Closed and bounded (issue 32): an optional API key on every route but /healthz (`guards.BearerKey`), bodies
-bounded in size and time (`guards.BodyLimit`: 413, 408), and a plan request read, parsed, decoded and checked
-on a thread against the library and the service's limits (`schemas`), so that the event loop keeps
-answering while a large body is refused. A request names no file: the planning vocabulary is the server's.
+Closed and bounded (issue 32): an optional API key on every route but the probes /healthz and /readyz
+(`guards.BearerKey`), bodies bounded in size and time (`guards.BodyLimit`: 413, 408), and a plan request read,
+parsed, decoded and checked on a thread against the library and the service's limits (`schemas`), so that the
+event loop keeps answering while a large body is refused. A request names no file: the planning vocabulary is
+the server's.
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from swagger_ui_bundle import swagger_ui_path
 
 from fastddrive import __version__
-from fastddrive.data.sample import NAV_COMMANDS, SPLITS, DrivingDataset, DrivingSample, SampleError, encode_png
+from fastddrive.core.outputs import finite_json
+from fastddrive.core.sample import NAV_COMMANDS, DrivingSample, SampleError, encode_png
+from fastddrive.data.dataset import SPLITS, DrivingDataset
 from fastddrive.decode.registry import DECODERS
-from fastddrive.outputs import finite_json
 from fastddrive.planner import ModelFacts, PlanInputs, Planner
 from fastddrive.serve import schemas
 from fastddrive.serve.guards import OPEN_PATHS, BearerKey, BodyLimit
@@ -83,8 +85,8 @@ def create_app(
 ) -> FastAPI:
     """The service; `load()` runs at startup on the model worker's thread, or in the model's own process
     (`isolated`: then it must be picklable); /readyz says when it is done. `limits`: what a request may hold;
-    `api_key`: required as `Authorization: Bearer` on every route but /healthz; `pvf_vocabulary`: the planning
-    vocabulary handed to `pvf` (`resources.planning_vocabulary`), checked against the model when it loads."""
+    `api_key`: required as `Authorization: Bearer` on every route but /healthz and /readyz; `pvf_vocabulary`: the
+    planning vocabulary handed to `pvf` (`resources.planning_vocabulary`), checked against the model when it loads."""
     default_decoder = decoder  # the form has a field of the same name
     limits = limits or ServiceLimits()
     rules = ServiceRules(limits, pvf_vocabulary)
@@ -345,7 +347,7 @@ def _with_request_model(openapi: Callable[[], dict[str, Any]], model: type[PlanR
 
 
 def _with_bearer_key(openapi: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """The OpenAPI schema saying that every route but /healthz takes `Authorization: Bearer <key>`."""
+    """The OpenAPI schema saying that every route but the probes (/healthz, /readyz) takes a bearer key."""
     schema = openapi()
     schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     for path, operations in schema["paths"].items():

@@ -1,4 +1,5 @@
-"""The service's doors (issue 32): an API key on every route but /healthz, and bodies bounded in size and time.
+"""The service's doors (issue 32): an API key on every route but the probes (/healthz, /readyz), and bodies
+bounded in size and time.
 
 Both are plain ASGI middleware, so they run before FastAPI reads anything. `BearerKey` answers 401 (with
 `WWW-Authenticate`) to a request without `Authorization: Bearer <key>`, comparing in constant time.
@@ -22,11 +23,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fastddrive.serve.limits import ServiceLimits
 
-OPEN_PATHS = ("/healthz",)  # a load balancer's liveness probe carries no key
+# A load balancer's (or Kubernetes') liveness and readiness probes carry no key; neither route says more than
+# whether the service is up and ready.
+OPEN_PATHS = ("/healthz", "/readyz")
 
 
 class BearerKey:
-    """401 unless the request carries `Authorization: Bearer <key>`; /healthz is open."""
+    """401 unless the request carries `Authorization: Bearer <key>`; the probes (OPEN_PATHS) are open."""
 
     def __init__(self, app: ASGIApp, key: str) -> None:
         self.app, self.key = app, key.encode()

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fastddrive.data.sample import HISTORY_STEPS
+from fastddrive.core.sample import HISTORY_STEPS
 from fastddrive.decode.options import OPTIONS
 from fastddrive.decode.registry import DecoderError
 

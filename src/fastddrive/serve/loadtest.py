@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 import httpx
 import numpy as np
 
-from fastddrive.data.sample import DrivingSample, encode_png
+from fastddrive.core.sample import DrivingSample, encode_png
 from fastddrive.planner import Planner
 
 # Each client holds a connection (a file descriptor of both processes, 1024 by default) and a place in the

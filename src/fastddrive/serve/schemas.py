@@ -21,12 +21,12 @@ import numpy as np
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, ValidationError
 
-from fastddrive.data.sample import HISTORY_COLUMNS, HISTORY_STEPS, NAV_COMMANDS, SampleError
+from fastddrive.core.inputs import image_from_bytes, image_size
+from fastddrive.core.memory import MemoryBudgetError
+from fastddrive.core.sample import HISTORY_COLUMNS, HISTORY_STEPS, NAV_COMMANDS, SampleError
+from fastddrive.core.schema import DrivingResponse
 from fastddrive.decode.registry import DECODERS, DecoderError, decoder_options
-from fastddrive.inputs import image_from_bytes, image_size
-from fastddrive.memory import MemoryBudgetError
 from fastddrive.planner import ModelFacts, PlanInputs
-from fastddrive.schema import DrivingResponse
 from fastddrive.serve.limits import LimitError, ServiceLimits
 
 ZERO_HISTORY = [[0.0] * 6 for _ in range(7)]

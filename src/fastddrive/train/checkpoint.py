@@ -24,9 +24,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from fastddrive.model import BlockDiffusionModel
-from fastddrive.model_files import sync_files, write_model_files
-from fastddrive.outputs import is_temporary, replace_folder
+from fastddrive.core.outputs import is_temporary, replace_folder
+from fastddrive.engine.model import BlockDiffusionModel
+from fastddrive.engine.model_files import sync_files, write_model_files
 
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_TENSORS = "optimizer.safetensors"

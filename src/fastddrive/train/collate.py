@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fastddrive.data.sample import DrivingSample
-from fastddrive.model import BlockDiffusionModel, PromptInputs
-from fastddrive.prompt import chat_text
-from fastddrive.scaffold import Scaffold
-from fastddrive.schema import SECTIONS
+from fastddrive.core.prompt import chat_text
+from fastddrive.core.sample import DrivingSample
+from fastddrive.core.scaffold import Scaffold
+from fastddrive.core.schema import SECTIONS
+from fastddrive.engine.model import BlockDiffusionModel, PromptInputs
 from fastddrive.train.config import TrainConfig
 from fastddrive.train.noise import complementary_masks, section_rates
 

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from fastddrive.schema import SECTIONS
+from fastddrive.core.schema import SECTIONS
 
 
 class ConfigError(ValueError):
@@ -150,10 +150,12 @@ class TrainConfig(BaseModel):
 
 
 def presets_dir() -> Path:
+    """The folder of the packaged training presets (`fastddrive/configs`)."""
     return Path(str(files("fastddrive") / "configs"))
 
 
 def preset_names() -> list[str]:
+    """The names of the packaged presets (`tiny-ar`, `tiny-sasd`, ...), sorted."""
     return sorted(p.stem for p in presets_dir().glob("*.yaml"))
 
 

@@ -23,12 +23,12 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fastddrive.data.sample import DrivingDataset, from_row
+from fastddrive.core.scaffold import Scaffold
+from fastddrive.core.schema import SECTIONS, ResponseError, parse
+from fastddrive.data.dataset import DrivingDataset, from_row
 from fastddrive.decode.registry import free_text
-from fastddrive.model import BlockDiffusionModel, PromptInputs
+from fastddrive.engine.model import BlockDiffusionModel, PromptInputs
 from fastddrive.planner import prompt_inputs
-from fastddrive.scaffold import Scaffold
-from fastddrive.schema import SECTIONS, ResponseError, parse
 from fastddrive.train.collate import IGNORE
 from fastddrive.train.config import ConfigError, TrainConfig
 from fastddrive.train.progressive_noise import noisy_blocks

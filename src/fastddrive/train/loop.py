@@ -23,11 +23,14 @@ import transformers
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
-from fastddrive.data.sample import DrivingDataset, DrivingSample, SampleError, check_row_numbers, from_row
-from fastddrive.eval.accuracy import evaluate_greedy_ar
-from fastddrive.memory import check_allocation
-from fastddrive.model import BlockDiffusionModel, CheckpointInfo
-from fastddrive.model_files import (
+from fastddrive.core.memory import check_allocation
+from fastddrive.core.outputs import OutputError, check_folder_destination, owner, write_json, write_text
+from fastddrive.core.sample import DrivingSample, SampleError
+from fastddrive.core.scaffold import Scaffold
+from fastddrive.core.tokenizer import default_tokenizer_path, load_tokenizer
+from fastddrive.data.dataset import DrivingDataset, check_row_numbers, from_row
+from fastddrive.engine.model import BlockDiffusionModel, CheckpointInfo
+from fastddrive.engine.model_files import (
     check_model_folder,
     ensure_diffusion_tokens,
     load_model,
@@ -36,9 +39,6 @@ from fastddrive.model_files import (
     tiny_image_processor,
     tiny_qwen2_5_vl,
 )
-from fastddrive.outputs import OutputError, check_folder_destination, owner, write_json, write_text
-from fastddrive.scaffold import Scaffold
-from fastddrive.tokenizer import default_tokenizer_path, load_tokenizer
 from fastddrive.train.checkpoint import (
     Checkpoint,
     latest_checkpoint,
@@ -54,6 +54,7 @@ from fastddrive.train.jacobi_forcing import JacobiForcingBatch, JacobiForcingCol
 from fastddrive.train.losses import LossParts, jacobi_forcing_loss, sasd_loss
 from fastddrive.train.noise import annealed_block_size
 from fastddrive.train.trajectories import TrajectorySet
+from fastddrive.train.validation import greedy_ar_ade
 
 LOG_FILE = "log.csv"
 LOG_COLUMNS = (
@@ -96,6 +97,9 @@ class NonFiniteLoss(ConfigError):
 
 @dataclass
 class TrainReport:
+    """A finished training run: where it wrote, the steps taken (and the one it resumed from), speed, the final model
+    folder and the last validation figures."""
+
     out: Path
     steps: int
     resumed_from: int
@@ -197,7 +201,7 @@ def validate(
     with torch.no_grad():
         rng = np.random.default_rng([config.seed, 10**9])
         parts = samples_loss(model, collator, samples, config.block_size, rng, config)
-    accuracy = evaluate_greedy_ar(model, samples[:ade_samples])
+    accuracy = greedy_ar_ade(model, samples[:ade_samples])
     model.model.train()
     return {
         "val_loss": parts.total.item(),

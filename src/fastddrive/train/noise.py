@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from fastddrive.schema import SECTIONS
+from fastddrive.core.schema import SECTIONS
 
 
 def annealed_block_size(progress: float, block_size: int, anneal: bool = True) -> int:

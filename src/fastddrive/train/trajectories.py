@@ -24,14 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from fastddrive.data.sample import DrivingDataset, from_row
-from fastddrive.decode.jacobi import Answer, Guesser, jacobi_blocks
-from fastddrive.model import BlockDiffusionModel, PromptInputs
-from fastddrive.model_check import check_model_folder
-from fastddrive.model_files import model_path, read_info
-from fastddrive.outputs import OutputError, check_folder_destination, is_temporary, owner, write_bytes
+from fastddrive.core.outputs import OutputError, check_folder_destination, is_temporary, owner, write_bytes
+from fastddrive.core.scaffold import Scaffold
+from fastddrive.data.dataset import DrivingDataset, from_row
+from fastddrive.decode.jacobi import Guesser, jacobi_blocks, jacobi_canvas
+from fastddrive.engine.model import BlockDiffusionModel, PromptInputs
+from fastddrive.engine.model_check import check_model_folder
+from fastddrive.engine.model_files import model_path, read_info
 from fastddrive.planner import prompt_inputs
-from fastddrive.scaffold import Scaffold
 from fastddrive.train.config import ConfigError
 
 FORMAT = "fastddrive-jacobi-trajectories"
@@ -66,7 +66,7 @@ def jacobi_trajectory(
     model: BlockDiffusionModel, prompt: PromptInputs, scaffold: Scaffold, block_size: int, seed: int
 ) -> tuple[list[int], list[list[list[int]]]]:
     """The answer ids and per block the iterates (trimmed to the fixed point's length) of vanilla Jacobi."""
-    answer = Answer.prefill(model, prompt, scaffold, room=2 * block_size)
+    answer = jacobi_canvas(model, prompt, scaffold, room=2 * block_size)
     recorded: dict[int, list[list[int]]] = {}
     jacobi_blocks(
         model,
@@ -79,7 +79,7 @@ def jacobi_trajectory(
     for start in sorted(recorded):
         *iterates, fixed = recorded[start]
         blocks.append([iterate[: len(fixed)] for iterate in iterates] + [fixed])
-    return answer.ids, blocks
+    return answer.ids[: answer.committed], blocks
 
 
 def sample_seed(seed: int, index: int) -> int:

@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 import numpy as np
 from PIL import Image, JpegImagePlugin, PngImagePlugin
 
-from fastddrive.data.sample import PNG_SIGNATURE, SampleError, decode_png
+from fastddrive.core.sample import PNG_SIGNATURE, SampleError, decode_png
 
 IMAGE_FORMATS = ("PNG", "JPEG")
 JPEG_SIGNATURE = b"\xff\xd8\xff"

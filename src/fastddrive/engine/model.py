@@ -33,11 +33,11 @@ from transformers import (
 )
 from transformers.models.qwen2.modeling_qwen2 import rotate_half
 
-from fastddrive.kv_cache import KVCache
-from fastddrive.layer_halves import layer_halves, rms_norm
-from fastddrive.masks import CAUSAL, FULL, DecodeMasks, additive_mask, as_pattern, block_mask, dual_stream_mask
-from fastddrive.static_decode import BUCKETS, StaticDecoder
-from fastddrive.vision_tower import VisionTower
+from fastddrive.engine.kv_cache import KVCache
+from fastddrive.engine.layer_halves import layer_halves, rms_norm
+from fastddrive.engine.masks import CAUSAL, FULL, DecodeMasks, additive_mask, as_pattern, block_mask, dual_stream_mask
+from fastddrive.engine.static_decode import BUCKETS, StaticDecoder
+from fastddrive.engine.vision_tower import VisionTower
 
 IMAGE_TOKEN = "<|image_pad|>"
 RESPONSE_ROOM = 512  # cache positions reserved after the prompt at prefill (more are added when needed)

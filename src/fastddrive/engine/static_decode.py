@@ -20,8 +20,8 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 
-from fastddrive.kv_cache import KVCache
-from fastddrive.masks import additive_mask, rows_mask
+from fastddrive.engine.kv_cache import KVCache
+from fastddrive.engine.masks import additive_mask, rows_mask
 
 T = TypeVar("T")
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)  # new tokens per row; a longer forward runs eagerly

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fastddrive.static_decode import capture_graph
+from fastddrive.engine.static_decode import capture_graph
 
 
 @dataclass(frozen=True)

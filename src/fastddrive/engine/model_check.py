@@ -26,7 +26,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from fastddrive.model import IMAGE_TOKEN
+from fastddrive.engine.model import IMAGE_TOKEN
 
 MODEL_CLASSES = {"qwen2_5_vl": Qwen2_5_VLForConditionalGeneration, "qwen2": Qwen2ForCausalLM}
 # The config.json sizes that shape the weights, at the top level or in text_config, and in vision_config.

@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from fastddrive.data.sample import DrivingSample
+from fastddrive.core.outputs import write_json
+from fastddrive.core.sample import DrivingSample
 from fastddrive.decode.result import DecodeResult
 from fastddrive.eval.bench import BenchRow, DecoderRun
 from fastddrive.eval.plots import draw_frontier, draw_scene
-from fastddrive.outputs import write_json
 from fastddrive.planner import Planner
 
 DEMO_DECODERS = ("ar", "ar-jump", "sd", "ss", "tts")

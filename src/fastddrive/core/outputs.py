@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-PACKAGE_ROOT = Path(__file__).resolve().parent
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the installed fastddrive package (this file is core/outputs.py)
 MANIFEST_NAME = "manifest.json"  # data sets and trajectory collections
 MODEL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 TEMPORARY_MARK = ".tmp-"  # in the names of temporary files and folders (`is_temporary`)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fastddrive.data.sample import check_command, check_history
+from fastddrive.core.sample import check_command, check_history
 
 SYSTEM_PROMPT = "You are a driving planner. Answer in JSON."
 VISION_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -20,7 +20,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen2Tokenizer
 
-from fastddrive.outputs import OutputError, check_folder_destination, staged_folder
+from fastddrive.core.outputs import OutputError, check_folder_destination, staged_folder
 
 # Qwen2's pre-tokenizer regex: `\p{N}` alone keeps every digit its own token.
 QWEN2_SPLIT_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501
@@ -165,8 +165,8 @@ def corpus_texts(rows: Iterable[Mapping[str, Any]], vocabulary_repeats: int = 20
     """
     import numpy as np
 
-    from fastddrive.prompt import SYSTEM_PROMPT, user_text
-    from fastddrive.schema import CRITICAL_OBJECT_CLASSES, LATERAL_BEHAVIORS, LONGITUDINAL_BEHAVIORS
+    from fastddrive.core.prompt import SYSTEM_PROMPT, user_text
+    from fastddrive.core.schema import CRITICAL_OBJECT_CLASSES, LATERAL_BEHAVIORS, LONGITUDINAL_BEHAVIORS
 
     yield SYSTEM_PROMPT
     for _ in range(vocabulary_repeats):

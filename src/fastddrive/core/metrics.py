@@ -7,9 +7,9 @@ from typing import Literal
 
 import numpy as np
 
-from fastddrive.data.sample import FUTURE_INTERVAL_S
-from fastddrive.eval.jmt import jmt_upsample
-from fastddrive.schema import (
+from fastddrive.core.jmt import jmt_upsample
+from fastddrive.core.sample import FUTURE_INTERVAL_S
+from fastddrive.core.schema import (
     CRITICAL_OBJECT_CLASSES,
     LATERAL_BEHAVIORS,
     LONGITUDINAL_BEHAVIORS,

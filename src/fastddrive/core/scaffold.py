@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fastddrive.schema import (
+from fastddrive.core.schema import (
     SECTIONS,
     DrivingResponse,
     Piece,
@@ -34,8 +34,8 @@ from fastddrive.schema import (
     render_pieces,
     slot_choices,
 )
-from fastddrive.schema import example_response as _example_response
-from fastddrive.tokenizer import diffusion_token_ids
+from fastddrive.core.schema import example_response as _example_response
+from fastddrive.core.tokenizer import diffusion_token_ids
 
 DEFAULT_EXPLANATION_BUDGET = 32  # the longest simulator explanation is 20 tokens; the release uses 192
 DEFAULT_BLOCK_SIZE = 32

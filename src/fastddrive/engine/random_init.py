@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
 
-from fastddrive.memory import check_allocation
-from fastddrive.model import IMAGE_TOKEN, BlockDiffusionModel, CheckpointInfo
-from fastddrive.model_files import check_device, tiny_image_processor
-from fastddrive.tokenizer import END_OF_TEXT, default_tokenizer_path, diffusion_token_ids, load_tokenizer
+from fastddrive.core.memory import check_allocation
+from fastddrive.core.tokenizer import END_OF_TEXT, default_tokenizer_path, diffusion_token_ids, load_tokenizer
+from fastddrive.engine.model import IMAGE_TOKEN, BlockDiffusionModel, CheckpointInfo
+from fastddrive.engine.model_files import check_device, tiny_image_processor
 
 ARCHITECTURE_SUFFIX = "-architecture.json"
 IMAGE_PIXELS = 448 * 224  # one camera frame at the dataset's resolution: 16 x 8 merged image tokens

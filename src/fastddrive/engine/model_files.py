@@ -21,11 +21,9 @@ from transformers import (
     Qwen2VLImageProcessorPil,
 )
 
-from fastddrive.memory import check_allocation
-from fastddrive.model import IMAGE_TOKEN, BlockDiffusionModel, CheckpointInfo
-from fastddrive.model_check import ModelFileError, check_model_folder, check_tokenizer_fits, read_json_object
-from fastddrive.outputs import fsync_folder, staged_folder
-from fastddrive.tokenizer import (
+from fastddrive.core.memory import check_allocation
+from fastddrive.core.outputs import fsync_folder, staged_folder
+from fastddrive.core.tokenizer import (
     DiffusionTokenIds,
     MissingDiffusionTokens,
     TokenizerError,
@@ -33,6 +31,8 @@ from fastddrive.tokenizer import (
     diffusion_token_ids,
     load_tokenizer,
 )
+from fastddrive.engine.model import IMAGE_TOKEN, BlockDiffusionModel, CheckpointInfo
+from fastddrive.engine.model_check import ModelFileError, check_model_folder, check_tokenizer_fits, read_json_object
 
 INFO_FILE = "fastddrive.json"
 DEVICE_TYPES = ("cpu", "cuda", "mps")
