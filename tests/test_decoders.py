@@ -369,8 +369,8 @@ def test_plan_validates_raw_inputs(embedded, scenes):
 
     with pytest.raises(SampleError, match="history must be 7 rows"):
         embedded.plan(images=[scene.image], history=[[0.0] * 6] * 3, command="go_straight")
-    with pytest.raises(SampleError, match="multiple of 28"):
-        embedded.plan(images=[scene.image[:100]], history=scene.history, command="go_straight")
+    with pytest.raises(SampleError, match="sides differ by more than 200 times"):
+        embedded.plan(images=[scene.image[:1, :300]], history=scene.history, command="go_straight")
     with pytest.raises(SampleError, match="uint8"):
         embedded.plan(images=[scene.image.astype(float)], history=scene.history, command="go_straight")
     with pytest.raises(SampleError, match="unknown navigation command"):

@@ -33,7 +33,8 @@ def _sample(**changes):
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"image": np.zeros((100, 100, 3), dtype=np.uint8)}, "not a multiple of 28"),
+        ({"image": np.zeros((300, 1, 3), dtype=np.uint8)}, "sides differ by more than 200 times"),
+        ({"image": np.zeros((0, 28, 3), dtype=np.uint8)}, "it has no pixels"),
         ({"image": np.zeros((224, 448), dtype=np.uint8)}, r"\(H, W, 3\) uint8"),
         ({"image": np.zeros((224, 448, 3), dtype=np.float32)}, r"\(H, W, 3\) uint8"),
         ({"image": [[0]]}, "must be a numpy array, got list"),

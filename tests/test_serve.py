@@ -95,7 +95,7 @@ def _image(size, fmt="PNG"):
 
 
 BAD = [
-    ({"images": [_image((30, 30))]}, ["images"], "multiple of 28"),
+    ({"images": [_image((1, 300))]}, ["images"], "sides differ by more than 200 times"),
     ({"images": [_image((28, 28), "GIF")]}, ["images", 0], "PNG or JPEG"),
     ({"images": ["not base64!"]}, ["images", 0], "not valid base64"),
     ({"images": [base64.b64encode(base64.b64decode(_image((28, 28)))[:50]).decode()]}, ["images", 0], "readable PNG"),

@@ -7,6 +7,7 @@ up. Each abuse is answered with its status and one line naming the limit."""
 import asyncio
 import base64
 import builtins
+import dataclasses
 import io
 import os
 import socket
@@ -177,9 +178,17 @@ def test_decompression_bombs_are_refused_from_their_headers_without_decoding(url
     refused(form, 422, "100000x100000 px")
 
 
-def test_images_within_the_limits_are_decoded_and_planned(url, planner):
-    reply = plan(url, scene_body(2) | {"images": [png(56, 28), png(28, 28)]})
-    assert reply.status_code == 200 and reply.json()["token_ids"][:2] == [0, 2]
+def test_images_within_the_limits_are_decoded_and_planned():
+    class VisionFake(FakePlanner):
+        facts = dataclasses.replace(FakePlanner.facts, is_vision=True)
+
+    with running(create_app(lambda: VisionFake(), "ss", timeout_s=600, limits=LIMITS)) as base:
+        reply = plan(base, scene_body(2) | {"images": [png(56, 28), png(28, 28)]})
+        assert reply.status_code == 200 and reply.json()["token_ids"][:2] == [0, 2]
+
+
+def test_images_sent_to_a_text_only_model_are_a_422(url):
+    refused(plan(url, scene_body(2) | {"images": [png(56, 28)]}), 422, "text-only model")
 
 
 @pytest.mark.parametrize(

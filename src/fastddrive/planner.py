@@ -29,6 +29,7 @@ from fastddrive.core.sample import (
     SampleError,
     check_history,
     check_image,
+    split_cameras,
 )
 from fastddrive.core.scaffold import DEFAULT_EXPLANATION_BUDGET, Scaffold
 from fastddrive.core.tokenizer import load_tokenizer
@@ -50,9 +51,10 @@ HISTORY_SHAPE = (
 class PlanInputs(BaseModel):
     """What the planner reads: camera image(s), the ego history and the navigation command.
 
-    images: up to MAX_IMAGES (H, W, 3) uint8 RGB arrays, sides multiples of 28 px, at most MAX_IMAGE_PIXELS
-    each; history: 7 rows (t = -3.0..0.0 s every 0.5 s) of x, y [m], vx, vy [m/s], ax, ay [m/s^2] in the ego
-    frame at t = 0 (+x forward, +y left), finite; command: one of NAV_COMMANDS. Anything else is refused by
+    images: up to MAX_IMAGES (H, W, 3) uint8 RGB arrays of any size, at most MAX_IMAGE_PIXELS each (the model
+    folder's image processor resizes them onto its grid, `smart_resize`); history: 7 rows (t = -3.0..0.0 s
+    every 0.5 s) of x, y [m], vx, vy [m/s], ax, ay [m/s^2] in the ego frame at t = 0 (+x forward, +y left),
+    finite; command: one of NAV_COMMANDS. Anything else is refused by
     `checked` in one line, its size and shape first: a huge or deeply nested value is never walked whole.
     """
 
@@ -102,6 +104,19 @@ class PlanInputs(BaseModel):
             what = ".".join(str(part) for part in error["loc"])
             message = str(error["msg"]).removeprefix("Value error, ")
             raise SampleError(message if error["type"] == "value_error" else f"{what}: {message}") from None
+
+
+def camera_images(named: dict[str, np.ndarray], cameras: Sequence[str]) -> list[np.ndarray]:
+    """Images given by camera name, in the model's camera order (`CheckpointInfo.cameras`); SampleError naming
+    the cameras expected for a model of one joined frame, an unknown name or a missing camera."""
+    if not cameras:
+        raise SampleError("this model reads one frame (its cameras joined): give --image, not --camera")
+    unknown = sorted(set(named) - set(cameras))
+    missing = [c for c in cameras if c not in named]
+    if unknown or missing:
+        wrong = f"unknown camera {unknown[0]!r}" if unknown else f"camera {missing[0]} is missing"
+        raise SampleError(f"{wrong}; this model takes {len(cameras)} cameras: {', '.join(cameras)}")
+    return [named[c] for c in cameras]
 
 
 def check_history_shape(value: Any) -> None:
@@ -158,11 +173,23 @@ class ModelFacts:
     answer_length: int  # positions of the scaffold's answer: an `ss` draft holds one id per position
     sizes: ModelSizes  # the text decoder's sizes (decode.footprint)
     device: str  # where it decodes: the memory budget is that device's
+    cameras: tuple[str, ...] = ()  # the camera layout (CheckpointInfo.cameras): () one frame, else one image each
 
     def check_images(self, scene: PlanInputs) -> None:
-        """SampleError if this is a vision model and `scene` has no camera image."""
+        """SampleError if this is a vision model and `scene` has no camera image, or a text-only model and it has
+        some (it could not see them: planning as if it had would be a silent wrong answer)."""
         if self.is_vision and not scene.images:
             raise SampleError("this is a vision model: give at least one camera image (images=...)")
+        if self.is_vision and self.cameras and len(scene.images) != len(self.cameras):
+            raise SampleError(
+                f"this model takes {len(self.cameras)} cameras as separate images, in this order: "
+                f"{', '.join(self.cameras)}; {len(scene.images)} image(s) given"
+            )
+        if not self.is_vision and scene.images:
+            raise SampleError(
+                f"this is a text-only model: it cannot see the {len(scene.images)} camera image(s) given; plan "
+                "without images, or with a vision-language model"
+            )
 
     def check_decoder(self, name: str) -> None:
         """DecoderError unless decoder `name` exists and runs on this model."""
@@ -203,10 +230,16 @@ class Planner:
             len(self.scaffold),
             ModelSizes.of_model(model),
             str(model.device),
+            tuple(model.info.cameras),
         )
 
     def prompt(self, scene: DrivingSample | PlanInputs) -> PromptInputs:
-        images = [scene.image] if isinstance(scene, DrivingSample) else scene.images
+        """The tokenized prompt of a scene; a data set's joined frame is cut into the model's separate cameras."""
+        cameras = len(self.model.info.cameras)
+        if isinstance(scene, DrivingSample):
+            images = split_cameras(scene.image, cameras) if cameras > 1 else [scene.image]
+        else:
+            images = scene.images
         return prompt_inputs(self.model, scene.command, scene.history, images)
 
     def plan(
@@ -227,6 +260,7 @@ class Planner:
         facts = self.facts
         if scene is None:
             scene = PlanInputs.checked(images=() if images is None else images, history=history, command=command)
+        if isinstance(scene, PlanInputs):  # a data set's scene carries its frame; a text-only model reads the text
             facts.check_images(scene)
         options = facts.check_options(decoder, options)
         return decode(decoder, self.model, self.prompt(scene), self.scaffold, **options)
@@ -242,7 +276,9 @@ def check_before_loading(
 ) -> dict[str, Any]:
     """What `load(name, device, dtype).plan(scene, decoder, **options)` checks before decoding, checked from the
     model's small files before its weights load: the options (typed and returned), that the decoder runs on the
-    checkpoint, `drafts` against its vocabulary and answer, and the decode's memory against the budget.
+    checkpoint, `drafts` against its vocabulary and answer, and the decode's memory against the budget (the
+    scene's images against what the model reads are checked by `plan`, once the folder has loaded: a damaged
+    folder is named first).
 
     The memory is estimated with the prompt's text only (the scene's images add tokens that only the loaded
     image processor counts), so it never refuses what the planner would take; the planner checks again with
@@ -263,7 +299,9 @@ def check_before_loading(
         sizes = ModelSizes.from_config(config, dtype_bytes)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return typed
-    facts = ModelFacts(bool(config.get("vision_config")), info.kind, sizes.vocab, len(scaffold), sizes, str(on))
+    facts = ModelFacts(
+        bool(config.get("vision_config")), info.kind, sizes.vocab, len(scaffold), sizes, str(on), tuple(info.cameras)
+    )
     facts.check_options(decoder, typed)
     text = chat_text(scene.command, scene.history, images=0) if scene is not None else ""
     facts.check_memory(decoder, typed, len(tokenizer.encode(text, add_special_tokens=False)))
@@ -275,14 +313,22 @@ def load(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     cuda_graphs: bool | None = None,
+    image_min_pixels: int | None = None,
+    image_max_pixels: int | None = None,
 ) -> Planner:
     """'default' (the embedded block-diffusion model), 'default-ar' (its AR baseline) or a local folder.
+
+    Camera frames of any size are resized by the folder's image processor (Qwen2.5-VL's `smart_resize`)
+    to between its min and max pixels; `image_min_pixels` / `image_max_pixels` override them for this
+    planner (`BlockDiffusionModel.set_image_pixels`). The answer records the size the model saw.
 
     Weights are bfloat16 on a GPU and float32 on the CPU unless `dtype` says otherwise. On a GPU, decode
     forwards are replayed as CUDA graphs (`static_decode`) unless `cuda_graphs` is False; elsewhere they
     run eagerly whatever it says (the fixed shapes that graphs need only cost time without them)."""
     on_gpu = check_device(device).type == "cuda"
     model = load_model(model_path(str(name)), device=device, dtype=dtype or (torch.bfloat16 if on_gpu else None))
+    if image_min_pixels is not None or image_max_pixels is not None:
+        model.set_image_pixels(image_min_pixels, image_max_pixels)
     if model.device.type == "cuda" and cuda_graphs is not False:
         model.use_static_shapes(graphs=True)
     return Planner(model)

@@ -20,7 +20,13 @@ def plan_command(
     data: Annotated[Path | None, typer.Option(help="Dataset folder to take the scene from.")] = None,
     split: Annotated[str, typer.Option(help="train, val or test (with --data).")] = "test",
     index: Annotated[int, typer.Option(help="Sample index in the split (with --data).")] = 0,
-    image: Annotated[list[Path] | None, typer.Option(help="Camera image (PNG); repeat for several.")] = None,
+    image: Annotated[
+        list[Path] | None, typer.Option(help="Camera image (PNG or JPEG, any size); repeat for several.")
+    ] = None,
+    camera: Annotated[
+        list[str] | None,
+        typer.Option(help="NAME=PATH: one camera of a model that takes separate cameras (FRONT=front.jpg); repeat."),
+    ] = None,
     history: Annotated[
         str | None, typer.Option(help="Ego history: JSON text or a .json file, 7 rows of \\[x, y, vx, vy, ax, ay].")
     ] = None,
@@ -33,6 +39,18 @@ def plan_command(
     device: Annotated[str, typer.Option(help="cpu, cuda, cuda:1, ...")] = "cpu",
     dtype: Annotated[
         str | None, typer.Option(help="float32, bfloat16 or float16 (default: bfloat16 on a GPU).")
+    ] = None,
+    image_max_pixels: Annotated[
+        int | None,
+        typer.Option(
+            min=784, max=4096 * 4096, help="Resize frames to at most this many pixels (default: the model folder's)."
+        ),
+    ] = None,
+    image_min_pixels: Annotated[
+        int | None,
+        typer.Option(
+            min=784, max=4096 * 4096, help="Resize frames to at least this many pixels (default: the model folder's)."
+        ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the summary.")] = False,
     show_options: Annotated[
@@ -48,7 +66,8 @@ def plan_command(
     from fastddrive.core.sample import SampleError
     from fastddrive.data.dataset import DrivingDataset
     from fastddrive.decode.registry import get_decoder, parse_options
-    from fastddrive.planner import check_before_loading
+    from fastddrive.engine.model_files import model_path, read_info
+    from fastddrive.planner import camera_images, check_before_loading
 
     with user_errors():
         get_decoder(decoder)
@@ -63,16 +82,28 @@ def plan_command(
         else:
             if history is None or command is None:
                 raise SampleError("without --data, --history and --command are required (and --image for a VLM)")
-            scene = fastddrive.PlanInputs.checked(
-                images=[read_image(p) for p in image or []], history=read_history(history), command=command
-            )
+            images = [read_image(p) for p in image or []]
+            if camera:
+                if image:
+                    raise SampleError("give either --image or --camera NAME=PATH, not both")
+                named = dict(_camera(c) for c in camera)
+                if len(named) < len(camera):
+                    raise SampleError("a camera is given twice with --camera")
+                images = camera_images(
+                    {k: read_image(v) for k, v in named.items()}, read_info(model_path(model)).cameras
+                )
+            scene = fastddrive.PlanInputs.checked(images=images, history=read_history(history), command=command)
         from fastddrive.eval.roofline import parse_dtype
 
         weights = parse_dtype(dtype) if dtype else None
         options = check_before_loading(model, decoder, options, device, weights, scene)
-        planner = fastddrive.load(model, device=device, dtype=weights)
-        if planner.model.is_vision and isinstance(scene, fastddrive.PlanInputs) and not scene.images:
-            raise SampleError("this model reads images: give --image")
+        if image_min_pixels and image_max_pixels and image_min_pixels > image_max_pixels:
+            raise SampleError(
+                f"--image-min-pixels {image_min_pixels} is more than --image-max-pixels {image_max_pixels}"
+            )
+        planner = fastddrive.load(
+            model, device=device, dtype=weights, image_min_pixels=image_min_pixels, image_max_pixels=image_max_pixels
+        )
         result = planner.plan(scene, decoder, **options)
     if as_json:
         print(finite_json(result.to_json()))
@@ -95,6 +126,16 @@ def plan_command(
     if result.response is None:
         Console(stderr=True).print(f"[bold red]the answer does not parse:[/] {result.error}", highlight=False)
         raise typer.Exit(1)
+
+
+def _camera(text: str) -> tuple[str, Path]:
+    """NAME=PATH of --camera."""
+    from fastddrive.core.sample import SampleError
+
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise SampleError(f"--camera {text!r}: give NAME=PATH, e.g. FRONT=front.jpg")
+    return name, Path(path)
 
 
 def _print_options(decoder: str) -> None:

@@ -27,7 +27,8 @@ HISTORY_COLUMNS = ("x", "y", "vx", "vy", "ax", "ay")
 FUTURE_STEPS = 20  # t = 0.25, 0.5, ..., 5.0 s
 FUTURE_INTERVAL_S = 0.25
 NAV_COMMANDS: tuple[str, ...] = ("go_straight", "go_left", "go_right")
-IMAGE_UNIT_PX = 28  # Qwen2.5-VL: 14-pixel patches merged 2x2
+IMAGE_UNIT_PX = 28  # Qwen2.5-VL: 14-pixel patches merged 2x2 (the grid a model folder's processor resizes onto)
+MAX_ASPECT_RATIO = 200  # Qwen2.5-VL's `smart_resize` refuses frames longer than 200 times their width
 MAX_RATERS = 3  # WOD-E2E: up to 3 rater trajectories per scene
 RATER_MAX_SCORE = 10.0
 
@@ -61,7 +62,7 @@ class CameraView:
 class DrivingSample:
     """One planning problem and its expert answer.
 
-    image: (H, W, 3) uint8, H and W multiples of 28 px. history: (7, 6) at t = -3.0..0.0 s every
+    image: (H, W, 3) uint8 of any size (the model's processor resizes it). history: (7, 6) at t = -3.0..0.0 s every
     0.5 s, columns x, y [m], vx, vy [m/s], ax, ay [m/s^2]. future: (20, 2) expert positions [m] at
     `future_time_s` (0.25..5.0 s). agents: other vehicles' (N, 21, 3) x, y [m], heading [rad] at
     t = 0..5 s every 0.25 s (NaN where a vehicle has left the scene); agent_size: (N, 2) length,
@@ -99,14 +100,31 @@ class DrivingSample:
 
 
 def check_image(image: Any) -> None:
-    """Raise SampleError unless `image` is an (H, W, 3) uint8 array with H, W multiples of 28."""
+    """Raise SampleError unless `image` is an (H, W, 3) uint8 array of any size that a Qwen2.5-VL processor can
+    resize (`smart_resize`: sides in any ratio up to MAX_ASPECT_RATIO); the model folder's processor resizes it
+    onto its grid (`BlockDiffusionModel.encode_prompt`)."""
     if not isinstance(image, np.ndarray):
         raise SampleError(f"image must be a numpy array, got {type(image).__name__}")
     if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
         raise SampleError(f"image must be (H, W, 3) uint8 RGB, got shape {image.shape} dtype {image.dtype}")
     h, w = image.shape[:2]
-    if h % IMAGE_UNIT_PX or w % IMAGE_UNIT_PX or h == 0 or w == 0:
-        raise SampleError(f"image size {w}x{h} px is not a multiple of {IMAGE_UNIT_PX} px in both sides")
+    if h == 0 or w == 0:
+        raise SampleError(f"image is {w}x{h} px: it has no pixels")
+    if max(h, w) > MAX_ASPECT_RATIO * min(h, w):
+        raise SampleError(f"image is {w}x{h} px: its sides differ by more than {MAX_ASPECT_RATIO} times")
+
+
+def split_cameras(image: np.ndarray, count: int) -> list[np.ndarray]:
+    """A joined frame (cameras side by side) cut into `count` cameras at 28 px boundaries, the outer ones of equal
+    width (the inverse of `data.wod_e2e.join_cameras`). SampleError if it is too narrow."""
+    units = image.shape[1] // IMAGE_UNIT_PX
+    if units < count:
+        raise SampleError(f"a frame {image.shape[1]} px wide is too narrow to cut into {count} cameras")
+    if count == 1:
+        return [image]
+    side = units // count * IMAGE_UNIT_PX
+    cuts = [side * k for k in range(1, count - 1)] + [image.shape[1] - side]
+    return np.split(image, cuts, axis=1)
 
 
 def _real_numbers(value: Any) -> bool:

@@ -83,6 +83,7 @@ from fastddrive.core.sample import (
     DrivingSample,
     encode_png,
 )
+from fastddrive.core.sample import split_cameras as split_joined
 from fastddrive.core.schema import (
     CRITICAL_OBJECT_CLASSES,
     WAYPOINT_INTERVAL_S,
@@ -223,11 +224,7 @@ def join_cameras(cameras: list[np.ndarray], max_pixels: int = RELEASE_MAX_PIXELS
 
 def split_cameras(image: np.ndarray) -> list[np.ndarray]:
     """A frame cut into front-left, front and front-right cameras at 28 px boundaries (the inverse of joining)."""
-    units = image.shape[1] // IMAGE_UNIT_PX
-    if units < len(CAMERAS):
-        raise ValueError(f"a frame {image.shape[1]} px wide is too narrow to cut into {len(CAMERAS)} cameras")
-    side = units // len(CAMERAS) * IMAGE_UNIT_PX
-    return np.split(image, [side, image.shape[1] - side], axis=1)
+    return split_joined(image, len(CAMERAS))
 
 
 def prompt_text(command: str, history: np.ndarray) -> str:

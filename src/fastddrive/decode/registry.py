@@ -221,6 +221,7 @@ def decode(
         decode_ms=1000 * (ended - first_end),
         error=error,
         extra=decoded.extra,
+        image_sizes_px=model.image_sizes_px(prompt),
     )
 
 

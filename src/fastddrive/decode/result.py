@@ -27,6 +27,7 @@ class DecodeResult:
     tokens, <|NULL|> padding not counted (the length of the JSON text in tokens, which is also what an AR
     model writing the JSON freely emits). `prefill_ms` is the first forward (image and prompt),
     `decode_ms` everything after it. `response` is None when the text does not parse (`error` says why).
+    `image_sizes_px`: the (width, height) each camera frame was resized to before the model saw it.
     """
 
     decoder: str
@@ -41,6 +42,7 @@ class DecodeResult:
     decode_ms: float
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    image_sizes_px: list[tuple[int, int]] = field(default_factory=list)  # (width, height) each image was resized to
 
     @property
     def latency_ms(self) -> float:
@@ -73,4 +75,5 @@ class DecodeResult:
             "decode_ms": round(self.decode_ms, 3),
             "accepted_per_step": self.accepted_per_step,
             "error": self.error,
+            "image_sizes_px": [list(size) for size in self.image_sizes_px],
         }

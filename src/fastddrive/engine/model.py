@@ -31,6 +31,7 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLImageProcessorPil,
 )
+from transformers.image_utils import SizeDict
 from transformers.models.qwen2.modeling_qwen2 import rotate_half
 
 from fastddrive.engine.kv_cache import KVCache
@@ -56,6 +57,14 @@ class CheckpointInfo:
     block_size: int | None = None
     scaffold_tokenization: str = "pieces"  # how the scaffold it was trained on cuts its text (scaffold.py)
     extra: dict[str, Any] = field(default_factory=dict)
+    # The camera layout: [] = "joined" (the cameras side by side in one frame, or one camera); names = "separate"
+    # (one image per camera, in this order: the official release's FRONT_LEFT, FRONT, FRONT_RIGHT).
+    cameras: list[str] = field(default_factory=list)
+
+
+# What a frame may be resized to (`set_image_pixels`): one merged patch at least; at most 16 MP, 20,000 image tokens.
+MIN_IMAGE_PIXELS = 28 * 28
+MAX_RESIZED_PIXELS = 4096 * 4096
 
 
 @dataclass
@@ -229,6 +238,34 @@ class BlockDiffusionModel:
                 expanded += [token] * counts.pop(0) if token == self.image_token_id else [token]
             ids = expanded
         return PromptInputs(torch.tensor([ids], dtype=torch.long), pixel_values, grid)
+
+    def set_image_pixels(self, min_pixels: int | None = None, max_pixels: int | None = None) -> None:
+        """Resize camera frames to between `min_pixels` and `max_pixels` (Qwen2.5-VL's `smart_resize`, sides
+        multiples of 28 px) instead of the model folder's processor settings; None keeps the folder's. Saved
+        with the model. ValueError for a range that is empty or outside [MIN_IMAGE_PIXELS, MAX_RESIZED_PIXELS]."""
+        if self.image_processor is None:
+            raise ValueError("this is a text-only model: it has no image processor to set")
+        low = self.image_processor.size["shortest_edge"] if min_pixels is None else min_pixels
+        high = self.image_processor.size["longest_edge"] if max_pixels is None else max_pixels
+        for name, value in (("min_pixels", low), ("max_pixels", high)):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not MIN_IMAGE_PIXELS <= value <= MAX_RESIZED_PIXELS
+            ):
+                raise ValueError(
+                    f"image {name} must be an integer in [{MIN_IMAGE_PIXELS}, {MAX_RESIZED_PIXELS}], got {value!r}"
+                )
+        if low > high:
+            raise ValueError(f"image min_pixels {low} is more than max_pixels {high}")
+        self.image_processor.size = SizeDict(shortest_edge=low, longest_edge=high)
+
+    def image_sizes_px(self, prompt: PromptInputs) -> list[tuple[int, int]]:
+        """The (width, height) in px each image of `prompt` was resized to (its patch grid times the patch)."""
+        if prompt.image_grid_thw is None:
+            return []
+        patch = self.image_processor.patch_size
+        return [(int(w) * patch, int(h) * patch) for _, h, w in prompt.image_grid_thw.tolist()]
 
     def _rope_positions(self, input_ids: torch.Tensor, grid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions of a whole sequence (3, B, L) for Qwen2.5-VL, (B, L) for Qwen2; and the text offsets (B,)."""

@@ -29,6 +29,15 @@ from transformers import (
 from fastddrive.engine.model import IMAGE_TOKEN
 
 MODEL_CLASSES = {"qwen2_5_vl": Qwen2_5_VLForConditionalGeneration, "qwen2": Qwen2ForCausalLM}
+# Model types users bring that fastddrive does not load as they are, and what to do instead (issue 34).
+OTHER_MODEL_TYPES = {
+    "qwen2_vl": "a Qwen2-VL model, which fastddrive does not run (its vision tower differs from Qwen2.5-VL's: no "
+    "window attention, LayerNorm instead of RMSNorm); use a Qwen2.5-VL checkpoint",
+    "fast_dllm_qwen2_5_vl": "an official Fast-dDrive release folder, whose remote code is never run; convert it "
+    "with `fastddrive import-official SRC OUT` and load OUT",
+    "fast_dvlm": "an official Fast-dVLM release folder, whose remote code is never run; convert it with "
+    "`fastddrive import-official SRC OUT` and load OUT",
+}
 # The config.json sizes that shape the weights, at the top level or in text_config, and in vision_config.
 TEXT_SIZES = (
     "vocab_size",
@@ -147,14 +156,22 @@ def _positive_sizes(config: dict, file: Path) -> None:
                 raise ModelFileError(f"{file}: {prefix}{key} must be at most {SIZE_LIMITS[key]}, got {value}")
 
 
-def _meta_model(config: dict, file: Path) -> torch.nn.Module:
-    """The model `config` describes, built on the meta device: its parameters have shapes and no storage."""
+def _model_class(config: dict, file: Path) -> type[torch.nn.Module]:
+    """The transformers class of config.json's `model_type`; one line naming the type when fastddrive does not
+    load it (and what to do for the types users bring: OTHER_MODEL_TYPES)."""
     model_type = config.get("model_type")
+    if isinstance(model_type, str) and model_type in OTHER_MODEL_TYPES:
+        raise ModelFileError(f"{file}: model_type {model_type!r} is {OTHER_MODEL_TYPES[model_type]}")
     if not isinstance(model_type, str) or model_type not in MODEL_CLASSES:
         known = ", ".join(MODEL_CLASSES)
         raise ModelFileError(f"{file}: model_type {model_type!r} is not a model fastddrive loads ({known})")
+    return MODEL_CLASSES[model_type]
+
+
+def _meta_model(config: dict, file: Path) -> torch.nn.Module:
+    """The model `config` describes, built on the meta device: its parameters have shapes and no storage."""
+    model_class = _model_class(config, file)
     _positive_sizes(config, file)
-    model_class = MODEL_CLASSES[model_type]
     try:
         built = model_class.config_class.from_dict(config)
     except StrictDataclassError as err:  # transformers' own type checks, which name the key
@@ -299,6 +316,7 @@ def check_model_folder(path: str | Path) -> ModelFolder:
     if not (path / "config.json").is_file():
         raise ModelFileError(f"{path} is not a model folder: config.json is missing")
     config = read_json_object(path / "config.json")
+    _model_class(config, path / "config.json")  # a foreign model type is named before any weight is read
     tensors: dict[str, tuple[str, list[int]]] = {}
     for file in _weight_files(path):
         tensors |= _check_safetensors(file)

@@ -175,6 +175,10 @@ def read_info(path: Path) -> CheckpointInfo:
         "block_size": (_size_or_none, "a positive integer or null"),
         "scaffold_tokenization": (lambda v: v in ("pieces", "runs"), "'pieces' or 'runs'"),
         "extra": (lambda v: isinstance(v, dict), "a JSON object"),
+        "cameras": (
+            lambda v: isinstance(v, list) and all(isinstance(c, str) and c for c in v) and len(set(v)) == len(v),
+            "a list of distinct camera names ([] for one joined frame)",
+        ),
     }
     for key, value in raw.items():
         valid, expected = checks.get(key, (lambda _: True, ""))

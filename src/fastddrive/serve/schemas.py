@@ -43,7 +43,7 @@ class PlanRequest(BaseModel):
 
     images: list[str] = Field(
         default_factory=list,
-        description="Camera frames as base64 PNG or JPEG (a data: URL is fine), sides multiples of 28 px.",
+        description="Camera frames as base64 PNG or JPEG (a data: URL is fine), of any size.",
     )
     history: list[HistoryRow] = Field(
         min_length=HISTORY_STEPS,
@@ -75,7 +75,7 @@ def plan_request_model(limits: ServiceLimits) -> type[PlanRequest]:
         images: list[str] = Field(
             default_factory=list,
             max_length=limits.max_images,
-            description=f"Camera frames as base64 PNG or JPEG (a data: URL is fine), sides multiples of 28 px; at"
+            description=f"Camera frames as base64 PNG or JPEG (a data: URL is fine), of any size; at"
             f" most {limits.max_images}, of at most {limits.max_image_pixels} px each and"
             f" {limits.max_request_pixels} px together.",
         )

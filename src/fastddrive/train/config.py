@@ -66,6 +66,7 @@ class TrainConfig(BaseModel):
     out: str = "runs/model"
     architecture: TinyArchitecture = TinyArchitecture()
     image_max_pixels: int = Field(default=224 * 112, ge=56 * 56, le=4096 * 4096)
+    image_min_pixels: int = Field(default=56 * 56, ge=28 * 28, le=4096 * 4096)
     steps: int = Field(default=2000, ge=1, le=MAX_STEPS)
     batch_size: int = Field(default=8, ge=1, le=4096)
     lr: float = Field(default=1e-3, gt=0, le=1, allow_inf_nan=False)
@@ -139,6 +140,14 @@ class TrainConfig(BaseModel):
     def _labelled_only_for_jf(cls, value: float, info: ValidationInfo) -> float:
         if value and info.data.get("recipe") != "jf":
             raise ValueError("labelled_ar_weight is a weight of the jf recipe; the other recipes train on labels")
+        return value
+
+    @field_validator("image_min_pixels")
+    @classmethod
+    def _pixel_range(cls, value: int, info: ValidationInfo) -> int:
+        high = info.data.get("image_max_pixels")
+        if high is not None and value > high:
+            raise ValueError(f"image_min_pixels {value} is more than image_max_pixels {high}")
         return value
 
     @field_validator("block_size")

@@ -118,6 +118,8 @@ def initial_model(config: TrainConfig) -> BlockDiffusionModel:
         wrapper = BlockDiffusionModel(model, tokenizer, tiny_image_processor(config.image_max_pixels))
     else:
         wrapper = load_model(path, training=True)
+    if wrapper.image_processor is not None:  # frames resized as the config says, whatever the folder held
+        wrapper.set_image_pixels(config.image_min_pixels, config.image_max_pixels)
     ensure_diffusion_tokens(wrapper)
     wrapper.info = CheckpointInfo(
         kind="block-diffusion" if config.recipe == "sasd" else "autoregressive",

@@ -1,0 +1,157 @@
+"""`fastddrive import-official` (issue 34): a synthetic official-layout folder (tiny Qwen2.5-VL dimensions, the real
+Qwen2.5 vocabulary and its 151,936 embedding rows, the release's config and tensor names under both prefixes, the
+head tied) is imported, its tensors equal the source's under the name mapping, and the imported folder loads and
+decodes losslessly; anything unmappable is refused in one line."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from typer.testing import CliRunner
+
+from fastddrive.cli import app
+from fastddrive.core.tokenizer import qwen25vl_tokenizer
+from fastddrive.decode.speculative import ss_nfe_floor
+from fastddrive.engine.official import RELEASE_MASK_ID, RELEASE_NULL_ID, OfficialImportError, import_official, rename
+from fastddrive.planner import load
+from qwen_tokenizer import qwen_tiktoken_path
+
+VOCAB_ROWS = 151_936
+LEGACY = ((re.compile(r"^model\.language_model\."), "model."), (re.compile(r"^model\.visual\."), "visual."))
+
+
+def _release(root, prefixes: str, model_type: str = "fast_dllm_qwen2_5_vl", seed: int = 0):
+    """A release-shaped folder: config with the release's keys, weights under `prefixes` names, its tokenizer."""
+    tokenizer = qwen25vl_tokenizer(qwen_tiktoken_path(), diffusion_tokens=False)
+    vocab = tokenizer.get_vocab()
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": VOCAB_ROWS,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            "bos_token_id": vocab["<|endoftext|>"],
+            "eos_token_id": vocab["<|im_end|>"],
+            "pad_token_id": vocab["<|endoftext|>"],
+        },
+        vision_config={
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 32,
+            "fullatt_block_indexes": [1],
+            "window_size": 112,
+        },
+        image_token_id=vocab["<|image_pad|>"],
+        video_token_id=vocab["<|video_pad|>"],
+        vision_start_token_id=vocab["<|vision_start|>"],
+        vision_end_token_id=vocab["<|vision_end|>"],
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    root.mkdir(parents=True)
+    state = {k: v.clone().contiguous() for k, v in model.state_dict().items()}
+    if prefixes == "legacy":
+        state = {_legacy(k): v for k, v in state.items()}  # lm_head kept: the release saves it, equal to embed
+    else:
+        state.pop("lm_head.weight")
+    save_file(state, str(root / "model.safetensors"))
+    raw = config.to_dict()
+    raw |= {"model_type": model_type, "architectures": ["Fast_dLLM_Qwen2_5_VLForConditionalGeneration"]}
+    raw["auto_map"] = {"AutoModelForCausalLM": "modeling.Fast_dLLM_Qwen2_5_VLForConditionalGeneration"}
+    raw["text_config"] |= {"bd_size": 32, "use_block_causal_mask": True, "complementary_mask": True}
+    (root / "config.json").write_text(json.dumps(raw))
+    tokenizer.save_pretrained(str(root))
+    return root, state
+
+
+def _legacy(name: str) -> str:
+    for pattern, target in LEGACY:
+        name = pattern.sub(target, name)
+    return name
+
+
+@pytest.fixture(scope="module", params=["legacy", "current"])
+def imported(request, tmp_path_factory):
+    base = tmp_path_factory.mktemp(f"official-{request.param}")
+    src, state = _release(base / "release", request.param)
+    said = []
+    report = import_official(src, base / "out", say=said.append)
+    return src, base / "out", state, report, said
+
+
+def test_the_imported_tensors_equal_the_sources_under_the_name_mapping(imported):
+    _, out, state, report, said = imported
+    written = load_file(str(out / "model.safetensors"))
+    expected = {rename(k): v for k, v in state.items() if rename(k) != "lm_head.weight"}
+    assert written.keys() == expected.keys()
+    assert all(torch.equal(written[k], expected[k]) for k in expected)
+    assert report.head == "tied" and report.tokens_added == ["|<MASK>|", "<|NULL|>"]
+    assert report.release_settings == {"bd_size": 32, "use_block_causal_mask": True, "complementary_mask": True}
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen2_5_vl" and "auto_map" not in config
+    assert "bd_size" not in config["text_config"]
+    info = json.loads((out / "fastddrive.json").read_text())
+    assert (info["mask_token_id"], info["null_token_id"], info["block_size"]) == (RELEASE_MASK_ID, RELEASE_NULL_ID, 32)
+    assert said and said[0].startswith("imported fast_dllm_qwen2_5_vl")
+
+
+def test_the_imported_folder_plans_and_the_lossless_decoders_give_ars_ids(imported):
+    planner = load(imported[1])
+    rng = np.random.default_rng(0)
+    frames = [rng.integers(0, 256, (900, 1600, 3), dtype=np.uint8) for _ in range(3)]  # the three front cameras
+    scene = {"images": frames, "history": np.zeros((7, 6)), "command": "go_left"}
+    reference = planner.plan(decoder="ar", **scene)
+    assert reference.image_sizes_px == [(588, 308)] * 3  # 1600 x 900 resized to at most the release's 200,704 px
+    for decoder in ("ar-jump", "ss", "jacobi"):
+        assert planner.plan(decoder=decoder, **scene).token_ids == reference.token_ids, decoder
+    # Acceptance exercised: oracle drafts take ss's NFE floor, corrupted ones cost forwards, never ids.
+    oracle = planner.plan(decoder="ss", drafts=reference.token_ids, **scene)
+    assert oracle.token_ids == reference.token_ids and oracle.nfe == ss_nfe_floor(planner.scaffold)
+    corrupted = list(reference.token_ids)
+    corrupted[5::7] = [planner.scaffold.null_id] * len(corrupted[5::7])
+    noisy = planner.plan(decoder="ss", drafts=corrupted, **scene)
+    assert noisy.token_ids == reference.token_ids and noisy.nfe > oracle.nfe
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (lambda root: _edit_config(root, extra=7), "key 'extra' is not a Qwen2.5-VL setting"),
+        (lambda root: _edit_config(root, model_type="llama"), "model_type 'llama' is not an official release's"),
+        (lambda root: _retensor(root, "model.layers.0.mlp.up_proj.weight", torch.zeros(3, 3)), "up_proj"),
+        (lambda root: _retensor(root, "model.mystery.weight", torch.zeros(2)), "mystery"),
+        (lambda root: (root / "model.safetensors").rename(root / "pytorch_model.bin"), "never pickles"),
+    ],
+)
+def test_what_cannot_be_mapped_is_refused_in_one_line_before_anything_is_written(tmp_path, change, words):
+    src, _ = _release(tmp_path / "release", "legacy")
+    change(src)
+    result = CliRunner().invoke(app, ["import-official", str(src), str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert lines[0].startswith("error:") and words in " ".join(result.output.split()), result.output
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(OfficialImportError if "model_type" in words or "key" in words else ValueError):
+        import_official(src, tmp_path / "out2", say=lambda _: None)
+
+
+def _edit_config(root, **changes):
+    config = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps(config | changes))
+
+
+def _retensor(root, name, value):
+    state = load_file(str(root / "model.safetensors"))
+    state[name] = value
+    save_file(state, str(root / "model.safetensors"))
