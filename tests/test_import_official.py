@@ -17,7 +17,7 @@ from fastddrive.cli import app
 from fastddrive.core.tokenizer import qwen25vl_tokenizer
 from fastddrive.decode.speculative import ss_nfe_floor
 from fastddrive.engine.official import RELEASE_MASK_ID, RELEASE_NULL_ID, OfficialImportError, import_official, rename
-from fastddrive.planner import load
+from fastddrive.planner import PlanInputs, load
 from qwen_tokenizer import qwen_tiktoken_path
 
 VOCAB_ROWS = 151_936
@@ -155,3 +155,40 @@ def _retensor(root, name, value):
     state = load_file(str(root / "model.safetensors"))
     state[name] = value
     save_file(state, str(root / "model.safetensors"))
+
+
+# Qwen2.5-VL's chat template (the same as Qwen2-VL's; its public chat_template.json), for the release's prompt.
+QWEN25VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: "
+    "{% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_the_release_prompt_is_what_the_chat_template_gives_for_the_releases_user_turn(imported):
+    import jinja2
+
+    from fastddrive.core.release_prompt import prompt_text, release_chat_text
+
+    history = np.array([[-3.0 + 0.5 * k, 0.1 * k, 5.0, 0.0, 0.2, -0.1] for k in range(7)])
+    before, after = prompt_text("go_left", history).split("<image>")
+    content = [{"type": "text", "text": before}, *[{"type": "image"}] * 3, {"type": "text", "text": after}]
+    template = jinja2.Environment().from_string(QWEN25VL_CHAT_TEMPLATE)
+    rendered = template.render(messages=[{"role": "user", "content": content}], add_generation_prompt=True)
+    assert release_chat_text("go_left", history, images=3) == rendered
+    # The imported folder asks for it: its prompt holds the release's text and three image slots.
+    planner = load(imported[1])
+    frames = [np.zeros((308, 588, 3), np.uint8)] * 3
+    prompt = planner.prompt(PlanInputs.checked(images=frames, history=history, command="go_left"))
+    text = planner.model.tokenizer.decode(prompt.input_ids[0].tolist())
+    assert text.count("<|vision_start|>") == 3 and "You are a helpful assistant." in text
+    assert "High-level navigation command: GO_LEFT" in text

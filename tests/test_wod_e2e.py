@@ -9,19 +9,18 @@ import numpy as np
 import pytest
 
 from fastddrive.core.metrics import rater_feedback_score
+from fastddrive.core.release_prompt import PROMPT, prompt_text
 from fastddrive.core.sample import DrivingSample
 from fastddrive.core.schema import parse
 from fastddrive.data.build import OutputExists, write_manifest
 from fastddrive.data.dataset import DrivingDataset, write_shard
 from fastddrive.data.highway import episode_samples
 from fastddrive.data.wod_e2e import (
-    PROMPT,
     RELEASE_MAX_PIXELS,
     convert_wod_e2e,
     export_wod_e2e,
     history_from_prompt,
     join_cameras,
-    prompt_text,
     split_cameras,
     split_of,
 )

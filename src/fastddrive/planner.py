@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from fastddrive.core.inputs import MAX_IMAGE_PIXELS
 from fastddrive.core.prompt import chat_text
+from fastddrive.core.release_prompt import release_chat_text
 from fastddrive.core.sample import (
     HISTORY_COLUMNS,
     HISTORY_STEPS,
@@ -36,7 +37,7 @@ from fastddrive.core.tokenizer import load_tokenizer
 from fastddrive.decode.footprint import ModelSizes, check_decode_memory
 from fastddrive.decode.registry import check_drafts, check_options, check_runs_on, decode, vocabulary_size
 from fastddrive.decode.result import DecodeResult
-from fastddrive.engine.model import BlockDiffusionModel, PromptInputs
+from fastddrive.engine.model import BlockDiffusionModel, CheckpointInfo, PromptInputs
 from fastddrive.engine.model_files import check_device, load_model, model_path, read_info
 
 # Twice the largest camera rig of the data sets read here (8 cameras in WOD-E2E); every image adds its patches
@@ -156,9 +157,17 @@ def _cut(value: Any) -> str:
 
 
 def prompt_inputs(model: BlockDiffusionModel, command: str, history: np.ndarray, images: Sequence[np.ndarray]):
-    """The tokenized chat prompt; a text-only model plans from the text alone."""
+    """The tokenized chat prompt, fastddrive's or the official release's (`CheckpointInfo.prompt`); a text-only
+    model plans from the text alone."""
     images = list(images) if model.is_vision else []
-    return model.encode_prompt(chat_text(command, history, images=len(images)), images)
+    return model.encode_prompt(prompt_text_of(model.info, command, history, len(images)), images)
+
+
+def prompt_text_of(info: CheckpointInfo, command: str, history: np.ndarray, images: int) -> str:
+    """The chat prompt a model folder asks for (`CheckpointInfo.prompt`), with `images` image slots."""
+    if info.prompt == "release":
+        return release_chat_text(command, history, images)
+    return chat_text(command, history, images=images)
 
 
 @dataclass(frozen=True)
@@ -303,7 +312,7 @@ def check_before_loading(
         bool(config.get("vision_config")), info.kind, sizes.vocab, len(scaffold), sizes, str(on), tuple(info.cameras)
     )
     facts.check_options(decoder, typed)
-    text = chat_text(scene.command, scene.history, images=0) if scene is not None else ""
+    text = prompt_text_of(info, scene.command, scene.history, 0) if scene is not None else ""
     facts.check_memory(decoder, typed, len(tokenizer.encode(text, add_special_tokens=False)))
     return typed
 

@@ -72,10 +72,11 @@ import numpy as np
 from PIL import Image
 
 from fastddrive.core.outputs import check_folder_destination, is_temporary, write_bytes
+from fastddrive.core.release_prompt import HISTORY_LABELS as _HISTORY_LABELS
+from fastddrive.core.release_prompt import INTENTS, prompt_text
 from fastddrive.core.sample import (
     FUTURE_INTERVAL_S,
     FUTURE_STEPS,
-    HISTORY_INTERVAL_S,
     HISTORY_STEPS,
     IMAGE_UNIT_PX,
     MAX_RATERS,
@@ -106,7 +107,6 @@ JPEG_QUALITY = 95
 SHARD_SIZE = 128  # samples per parquet shard
 TFRECORD_PATTERN = "*.tfrecord*"
 TFRECORD_SHARD = ".tfrecord-00000-of-00001"  # an export's one shard per split, in WOD's sharded naming
-INTENTS = {"go_straight": "GO_STRAIGHT", "go_left": "GO_LEFT", "go_right": "GO_RIGHT"}
 _COMMANDS = {name: command for command, name in INTENTS.items()} | {"UNKNOWN": "go_straight"}
 PAST_STATES_4HZ = 16  # WOD-E2E past_states: t = (-4, 0] s at 4 Hz
 HISTORY_ROWS_4HZ = (3, 5, 7, 9, 11, 13, 15)  # t = -3.0, -2.5, ..., 0.0 s
@@ -115,34 +115,8 @@ MASK_TOKEN = "<|mdm_mask|>"
 _WAYPOINT_STEP = round(WAYPOINT_INTERVAL_S / FUTURE_INTERVAL_S)
 _WAYPOINT_ROWS = slice(_WAYPOINT_STEP - 1, None, _WAYPOINT_STEP)  # the future at t = 1..5 s
 _FUTURE_TIME_S = np.arange(1, FUTURE_STEPS + 1) * FUTURE_INTERVAL_S
-_HISTORY_LABELS = tuple(f"{(k - HISTORY_STEPS + 1) * HISTORY_INTERVAL_S:+.1f}" for k in range(HISTORY_STEPS))
 _NO_VIEW = CameraView(math.nan, (math.nan, math.nan), math.nan)
 
-# The human turn, byte for byte as the release (dVLM-AD eval/inference.py; convert_wod_e2e.py PROMPT_PREFIX).
-PROMPT = (
-    "You are an expert autonomous driving agent.\n"
-    "Task 1: Critical Object Detection\n"
-    'For each class below, answer "yes" or "no" to indicate whether it affects the ego '
-    "vehicle’s behavior or future trajectory:\n"
-    "[nearby_vehicle, pedestrian, cyclist, construction, traffic_element, weather_condition, "
-    "road_hazard, emergency_vehicle, animal, special_vehicle, conflicting_vehicle, door_opening_vehicle]\n"
-    "Task 2: Scene Reasoning\n"
-    "Predict the future behavior of the identified critical objects and explain how the identified critical "
-    "objects or conditions affect the ego vehicle’s next 3-second trajectory.\n"
-    "Task 3: Meta-Behavior Prediction\n"
-    "Predict the ego vehicle’s future meta-driving behavior:\n"
-    "- speed ∈ {keep, accelerate, decelerate, stop, other}\n"
-    "- command ∈ {straight, yield, left_turn, right_turn, lane_follow, lane_change_left, lane_change_right, "
-    "reverse, overtake, other}\n"
-    "Task 4: Trajectory Prediction\n"
-    "Predict the optimal 5-second future trajectory (5 waypoints, 1 s intervals).\n\n"
-    "Input:\n"
-    "- <image>: three front-view frames from left front, center front, right front cameras. \n"
-    "- High-level navigation command: {NAV}\n"
-    "- Historical ego state: Provided are the previous ego vehicle status recorded over the last 3.0 seconds "
-    "(at 0.5-second intervals).{HIST}\n\n"
-    "Output:"
-)
 _NUMBER = r"[+-]?\d+(?:\.\d+)?"
 _STATE = re.compile(
     rf"\(t([+-]\d+\.\d)s\) \[({_NUMBER}), ({_NUMBER})\], Acceleration: X ({_NUMBER}), Y ({_NUMBER}) m/s², "
@@ -225,16 +199,6 @@ def join_cameras(cameras: list[np.ndarray], max_pixels: int = RELEASE_MAX_PIXELS
 def split_cameras(image: np.ndarray) -> list[np.ndarray]:
     """A frame cut into front-left, front and front-right cameras at 28 px boundaries (the inverse of joining)."""
     return split_joined(image, len(CAMERAS))
-
-
-def prompt_text(command: str, history: np.ndarray) -> str:
-    """The release's human turn for a navigation command and a (7, 6) ego history."""
-    states = "; ".join(
-        f"(t{label}s) [{x:.2f}, {y:.2f}], Acceleration: X {ax:.2f}, Y {ay:.2f} m/s², "
-        f"Velocity: X {vx:.2f}, Y {vy:.2f} m/s,"
-        for label, (x, y, vx, vy, ax, ay) in zip(_HISTORY_LABELS, history, strict=True)
-    )
-    return PROMPT.replace("{NAV}", INTENTS[command]).replace("{HIST}", states)
 
 
 def _xy(value: Any, name: str) -> np.ndarray:

@@ -60,6 +60,8 @@ class CheckpointInfo:
     # The camera layout: [] = "joined" (the cameras side by side in one frame, or one camera); names = "separate"
     # (one image per camera, in this order: the official release's FRONT_LEFT, FRONT, FRONT_RIGHT).
     cameras: list[str] = field(default_factory=list)
+    # The prompt: "fastddrive" (core/prompt.py) or "release" (the official release's, core/release_prompt.py).
+    prompt: str = "fastddrive"
 
 
 # What a frame may be resized to (`set_image_pixels`): one merged patch at least; at most 16 MP, 20,000 image tokens.

@@ -175,6 +175,7 @@ def read_info(path: Path) -> CheckpointInfo:
         "block_size": (_size_or_none, "a positive integer or null"),
         "scaffold_tokenization": (lambda v: v in ("pieces", "runs"), "'pieces' or 'runs'"),
         "extra": (lambda v: isinstance(v, dict), "a JSON object"),
+        "prompt": (lambda v: v in ("fastddrive", "release"), "'fastddrive' or 'release'"),
         "cameras": (
             lambda v: isinstance(v, list) and all(isinstance(c, str) and c for c in v) and len(set(v)) == len(v),
             "a list of distinct camera names ([] for one joined frame)",

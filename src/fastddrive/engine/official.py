@@ -15,7 +15,7 @@ config. The import:
    release's ids 151665 and 151666);
 4. sets the image processor to the release's pixels (min = max = 200,704 per camera) and writes
    `fastddrive.json` (block-diffusion, block size 32, the release's 192-token explanation budget, and its
-   three separate cameras FRONT_LEFT, FRONT, FRONT_RIGHT).
+   three separate cameras FRONT_LEFT, FRONT, FRONT_RIGHT, and its prompt: `core/release_prompt.py`).
 
 Choices where the release is silent are written in docs/data.md ("The official checkpoint").
 """
@@ -205,6 +205,7 @@ def import_official(
         block_size=int(release.get("bd_size", RELEASE_BLOCK_SIZE)),
         extra={"imported_from": source_type, "release_settings": release, "camera_pixels": RELEASE_PIXELS},
         cameras=list(RELEASE_CAMERAS),
+        prompt="release",
     )
     with staged_folder(out) as stage:
         _write_weights(weights, stage)
