@@ -30,6 +30,7 @@ from fastddrive.core.sample import (
     SampleError,
     check_history,
     check_image,
+    check_pixel_range,
     split_cameras,
 )
 from fastddrive.core.scaffold import DEFAULT_EXPLANATION_BUDGET, Scaffold
@@ -335,6 +336,8 @@ def load(
     forwards are replayed as CUDA graphs (`static_decode`) unless `cuda_graphs` is False; elsewhere they
     run eagerly whatever it says (the fixed shapes that graphs need only cost time without them)."""
     on_gpu = check_device(device).type == "cuda"
+    if image_min_pixels is not None and image_max_pixels is not None:  # refused before the weights load
+        check_pixel_range(image_min_pixels, image_max_pixels)
     model = load_model(model_path(str(name)), device=device, dtype=dtype or (torch.bfloat16 if on_gpu else None))
     if image_min_pixels is not None or image_max_pixels is not None:
         model.set_image_pixels(image_min_pixels, image_max_pixels)

@@ -63,7 +63,7 @@ def plan_command(
     import fastddrive
     from fastddrive.core.inputs import read_history, read_image
     from fastddrive.core.outputs import finite_json
-    from fastddrive.core.sample import SampleError
+    from fastddrive.core.sample import SampleError, check_pixel_range
     from fastddrive.data.dataset import DrivingDataset
     from fastddrive.decode.registry import get_decoder, parse_options
     from fastddrive.engine.model_files import model_path, read_info
@@ -97,10 +97,8 @@ def plan_command(
 
         weights = parse_dtype(dtype) if dtype else None
         options = check_before_loading(model, decoder, options, device, weights, scene)
-        if image_min_pixels and image_max_pixels and image_min_pixels > image_max_pixels:
-            raise SampleError(
-                f"--image-min-pixels {image_min_pixels} is more than --image-max-pixels {image_max_pixels}"
-            )
+        if image_min_pixels and image_max_pixels:
+            check_pixel_range(image_min_pixels, image_max_pixels, ("--image-min-pixels", "--image-max-pixels"))
         planner = fastddrive.load(
             model, device=device, dtype=weights, image_min_pixels=image_min_pixels, image_max_pixels=image_max_pixels
         )

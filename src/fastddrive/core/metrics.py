@@ -8,7 +8,7 @@ from typing import Literal
 import numpy as np
 
 from fastddrive.core.jmt import jmt_upsample
-from fastddrive.core.sample import FUTURE_INTERVAL_S
+from fastddrive.core.sample import FUTURE_INTERVAL_S, FUTURE_STEPS
 from fastddrive.core.schema import (
     CRITICAL_OBJECT_CLASSES,
     LATERAL_BEHAVIORS,
@@ -59,6 +59,14 @@ def waypoint_ade_m(waypoints_m: np.ndarray, future_m: np.ndarray) -> tuple[float
     """ADE@3s and ADE@5s of 5 waypoints at 1 s, JMT-upsampled to the 20-point 4 Hz future."""
     dense = jmt_upsample(waypoints_m)
     return ade_m(dense, future_m, STEPS_3S), ade_m(dense, future_m)
+
+
+def scored_plan_m(response: DrivingResponse | None) -> np.ndarray:
+    """The 20-point 4 Hz plan (metres) an answer is scored on: its 5 waypoints upsampled by the evaluator's JMT,
+    or all zeros when the answer does not parse (the official evaluator scores an unparsable answer so)."""
+    if response is None:
+        return np.zeros((FUTURE_STEPS, 2))
+    return jmt_upsample(np.asarray(response.trajectory))
 
 
 def constant_velocity_m(history: np.ndarray, steps: int = 20, interval_s: float = FUTURE_INTERVAL_S) -> np.ndarray:

@@ -114,6 +114,13 @@ def check_image(image: Any) -> None:
         raise SampleError(f"image is {w}x{h} px: its sides differ by more than {MAX_ASPECT_RATIO} times")
 
 
+def check_pixel_range(low: int, high: int, names: tuple[str, str] = ("min_pixels", "max_pixels")) -> None:
+    """SampleError unless a resize range (Qwen2.5-VL's min_pixels, max_pixels) is not empty; `names` are what
+    the caller calls the two bounds (an option, a config key)."""
+    if low > high:
+        raise SampleError(f"{names[0]} {low} is more than {names[1]} {high}")
+
+
 def split_cameras(image: np.ndarray, count: int) -> list[np.ndarray]:
     """A joined frame (cameras side by side) cut into `count` cameras at 28 px boundaries, the outer ones of equal
     width (the inverse of `data.wod_e2e.join_cameras`). SampleError if it is too narrow."""

@@ -34,6 +34,7 @@ from transformers import (
 from transformers.image_utils import SizeDict
 from transformers.models.qwen2.modeling_qwen2 import rotate_half
 
+from fastddrive.core.sample import check_pixel_range
 from fastddrive.engine.kv_cache import KVCache
 from fastddrive.engine.layer_halves import layer_halves, rms_norm
 from fastddrive.engine.masks import CAUSAL, FULL, DecodeMasks, additive_mask, as_pattern, block_mask, dual_stream_mask
@@ -258,8 +259,7 @@ class BlockDiffusionModel:
                 raise ValueError(
                     f"image {name} must be an integer in [{MIN_IMAGE_PIXELS}, {MAX_RESIZED_PIXELS}], got {value!r}"
                 )
-        if low > high:
-            raise ValueError(f"image min_pixels {low} is more than max_pixels {high}")
+        check_pixel_range(low, high)
         self.image_processor.size = SizeDict(shortest_edge=low, longest_edge=high)
 
     def image_sizes_px(self, prompt: PromptInputs) -> list[tuple[int, int]]:

@@ -90,7 +90,7 @@ def read_json_object(file: Path) -> dict:
     return value
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
     """The safetensors files of the model's weights: model.safetensors, or the shards its index names."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -111,7 +111,7 @@ def _weight_files(path: Path) -> list[Path]:
     return [path / "model.safetensors"]
 
 
-def _check_safetensors(file: Path) -> dict[str, tuple[str, list[int]]]:
+def safetensors_tensors(file: Path) -> dict[str, tuple[str, list[int]]]:
     """Every tensor of a safetensors file, name -> (dtype, shape), read from its header alone, after checking
     that the header parses and the tensors it lists fit inside the file (a truncated copy does not)."""
     size = file.stat().st_size
@@ -168,7 +168,7 @@ def _model_class(config: dict, file: Path) -> type[torch.nn.Module]:
     return MODEL_CLASSES[model_type]
 
 
-def _meta_model(config: dict, file: Path) -> torch.nn.Module:
+def meta_model(config: dict, file: Path) -> torch.nn.Module:
     """The model `config` describes, built on the meta device: its parameters have shapes and no storage."""
     model_class = _model_class(config, file)
     _positive_sizes(config, file)
@@ -242,7 +242,7 @@ def _loaded_names(model: torch.nn.Module, names: list[str]) -> dict[str, str] | 
     return loaded
 
 
-def _check_tensors(model: torch.nn.Module, tensors: dict[str, tuple[str, list[int]]], path: Path) -> None:
+def check_tensors(model: torch.nn.Module, tensors: dict[str, tuple[str, list[int]]], path: Path) -> None:
     """Every tensor of the weights has a parameter of the same shape in the model config.json describes, and
     every parameter is in the weights (or tied to one that is): the first mismatch is named."""
     loaded = _loaded_names(model, sorted(tensors))
@@ -318,10 +318,10 @@ def check_model_folder(path: str | Path) -> ModelFolder:
     config = read_json_object(path / "config.json")
     _model_class(config, path / "config.json")  # a foreign model type is named before any weight is read
     tensors: dict[str, tuple[str, list[int]]] = {}
-    for file in _weight_files(path):
-        tensors |= _check_safetensors(file)
-    model = _meta_model(config, path / "config.json")
-    _check_tensors(model, tensors, path)
+    for file in weight_files(path):
+        tensors |= safetensors_tensors(file)
+    model = meta_model(config, path / "config.json")
+    check_tensors(model, tensors, path)
     _check_runnable(model.config, path / "config.json")
     text = model.config.get_text_config()
     elements = sum(math.prod(shape) for _, shape in tensors.values())

@@ -39,11 +39,11 @@ from fastddrive.core.tokenizer import MASK_TOKEN, NULL_TOKEN, add_diffusion_toke
 from fastddrive.engine.model import CheckpointInfo
 from fastddrive.engine.model_check import (
     ModelFileError,
-    _check_safetensors,
-    _check_tensors,
-    _meta_model,
-    _weight_files,
+    check_tensors,
+    meta_model,
     read_json_object,
+    safetensors_tensors,
+    weight_files,
 )
 from fastddrive.engine.model_files import INFO_FILE, sync_files
 
@@ -124,10 +124,10 @@ def plain_config(config: dict[str, Any], file: Path) -> tuple[dict[str, Any], di
 
 def _read_weights(src: Path) -> dict[str, tuple[Path, str, list[int], str]]:
     """Every release tensor: current name -> (file, release name, shape, dtype); pickles are refused unread."""
-    files = _weight_files(src)
+    files = weight_files(src)
     weights: dict[str, tuple[Path, str, list[int], str]] = {}
     for file in files:
-        for name, (dtype, shape) in _check_safetensors(file).items():
+        for name, (dtype, shape) in safetensors_tensors(file).items():
             current = rename(name)
             if current in weights:
                 raise OfficialImportError(
@@ -192,8 +192,8 @@ def import_official(
     weights = _read_weights(src)
     renamed = sum(name != original for name, (_, original, _, _) in weights.items())
     head = _head(config, weights)
-    model = _meta_model(config, config_file)
-    _check_tensors(model, {k: (dtype, shape) for k, (_, _, shape, dtype) in weights.items()}, src)
+    model = meta_model(config, config_file)
+    check_tensors(model, {k: (dtype, shape) for k, (_, _, shape, dtype) in weights.items()}, src)
     vocab_rows = model.config.get_text_config().vocab_size
     text_tokenizer, added = _tokenizer(src, Path(tokenizer) if tokenizer else None, vocab_rows, config_file)
     source_type = read_json_object(config_file)["model_type"]

@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from fastddrive.core.jmt import jmt_upsample
 from fastddrive.core.metrics import (
     STEPS_3S,
     ade_m,
@@ -31,8 +30,9 @@ from fastddrive.core.metrics import (
     nuscenes_l2_m,
     plan_collisions,
     rater_feedback_score,
+    scored_plan_m,
 )
-from fastddrive.core.sample import FUTURE_STEPS, DrivingSample, SampleError
+from fastddrive.core.sample import DrivingSample, SampleError
 from fastddrive.core.scaffold import Scaffold
 from fastddrive.core.schema import DrivingResponse
 from fastddrive.data.dataset import DatasetError, DrivingDataset, from_row
@@ -249,7 +249,7 @@ def answer_samples(
             if on_sample:
                 on_sample()
         row["valid"] = response is not None
-        dense = jmt_upsample(np.asarray(response.trajectory)) if response else np.zeros((FUTURE_STEPS, 2))
+        dense = scored_plan_m(response)
         scores = _score(dense, sample)
         row |= {k: v for k, v in scores.items() if k in ("ade3_m", "ade5_m", "rfs")}
         outcomes.append(SampleOutcome(row, response, sample.response, scores))

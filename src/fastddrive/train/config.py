@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from fastddrive.core.sample import check_pixel_range
 from fastddrive.core.schema import SECTIONS
 
 
@@ -146,8 +147,8 @@ class TrainConfig(BaseModel):
     @classmethod
     def _pixel_range(cls, value: int, info: ValidationInfo) -> int:
         high = info.data.get("image_max_pixels")
-        if high is not None and value > high:
-            raise ValueError(f"image_min_pixels {value} is more than image_max_pixels {high}")
+        if high is not None:
+            check_pixel_range(value, high, ("image_min_pixels", "image_max_pixels"))
         return value
 
     @field_validator("block_size")

@@ -10,9 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastddrive.core.jmt import jmt_upsample
-from fastddrive.core.metrics import STEPS_3S, ade_m
-from fastddrive.core.sample import FUTURE_STEPS, DrivingSample
+from fastddrive.core.metrics import STEPS_3S, ade_m, scored_plan_m
+from fastddrive.core.sample import DrivingSample
 from fastddrive.engine.model import BlockDiffusionModel
 from fastddrive.planner import Planner
 
@@ -34,7 +33,7 @@ def greedy_ar_ade(model: BlockDiffusionModel, samples: list[DrivingSample]) -> V
         invalid += response is None
         if rated and not len(sample.rater_scores):
             continue
-        dense = jmt_upsample(np.asarray(response.trajectory)) if response else np.zeros((FUTURE_STEPS, 2))
+        dense = scored_plan_m(response)
         ade3.append(ade_m(dense, sample.future, STEPS_3S))
         ade5.append(ade_m(dense, sample.future))
     return ValidationAde(_mean(ade3), _mean(ade5), invalid)
