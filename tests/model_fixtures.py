@@ -114,3 +114,41 @@ SHRUNK_3B = {
         "fullatt_block_indexes": [1, 3],
     },
 }
+
+
+class Oracle:
+    """Drafts equal to `ar`'s own tokens, each corrupted (replaced by another token) with probability `rate`
+    (decided once per position)."""
+
+    def __init__(self, reference: list[int], rate: float, vocab: int, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        corrupt = rng.random(len(reference)) < rate
+        self.tokens = [
+            (t + 1 + int(rng.integers(vocab - 1))) % vocab if c else t for t, c in zip(reference, corrupt, strict=True)
+        ]
+        self.corrupted = int(corrupt.sum())
+
+    def propose(self, proposal, logits, row_of_first, first, canvas):
+        import torch
+
+        masked = [i for i, token in enumerate(proposal) if token == canvas.scaffold.mask_id]
+        return masked, torch.tensor([self.tokens[first + i] for i in masked], dtype=torch.long, device=logits.device)
+
+    def read_groups(self, real):
+        def read(logits, base, canvas):
+            verified, proposals = real(logits, base, canvas)
+            b, length = logits.shape[0], len(canvas)
+            oracle = [[self.tokens[min(base + 1 + g + j, length - 1)] for j in range(1, b)] for g in range(b)]
+            return verified, oracle
+
+        return read
+
+
+def with_oracle(monkeypatch, reference, rate, vocab):
+    """`ss`'s and `selfspec`'s drafts (and `selfspec-quad`'s groups) replaced by an Oracle's."""
+    from fastddrive.decode import quadratic, speculative
+
+    oracle = Oracle(reference, rate, vocab)
+    monkeypatch.setattr(speculative, "propose", oracle.propose)
+    monkeypatch.setattr(quadratic, "_read_groups", oracle.read_groups(quadratic._read_groups))
+    return oracle

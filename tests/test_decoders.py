@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 from fastddrive.core.scaffold import Scaffold
 from fastddrive.core.schema import parse
 from fastddrive.data.highway import episode_samples
-from fastddrive.decode import DECODERS, LOSSLESS, DecoderError, decode, decoder_options, quadratic, speculative, tts
+from fastddrive.decode import DECODERS, LOSSLESS, DecoderError, decode, decoder_options, speculative, tts
 from fastddrive.decode.blocks import section_blocks
 from fastddrive.decode.quadratic import quadratic_layout
 from fastddrive.decode.speculative import Speculation, fused_layout, run, ss_nfe_floor
@@ -19,7 +19,7 @@ from fastddrive.decode.state import Canvas, row_picker, sampler
 from fastddrive.engine.masks import block_mask
 from fastddrive.engine.model import BlockDiffusionModel
 from fastddrive.planner import Planner, load
-from model_fixtures import peaky_case
+from model_fixtures import peaky_case, with_oracle
 
 
 @pytest.fixture(scope="module", params=[("qwen2", 0), ("qwen2.5-vl", 2)])
@@ -31,39 +31,6 @@ def random_case(request):
     return model, prompt, scaffold, reference
 
 
-class Oracle:
-    """Drafts equal to `ar`'s own tokens, each corrupted (replaced by another token) with probability `rate`
-    (decided once per position)."""
-
-    def __init__(self, reference: list[int], rate: float, vocab: int, seed: int = 0) -> None:
-        rng = np.random.default_rng(seed)
-        corrupt = rng.random(len(reference)) < rate
-        self.tokens = [
-            (t + 1 + int(rng.integers(vocab - 1))) % vocab if c else t for t, c in zip(reference, corrupt, strict=True)
-        ]
-        self.corrupted = int(corrupt.sum())
-
-    def propose(self, proposal, logits, row_of_first, first, canvas):
-        masked = [i for i, token in enumerate(proposal) if token == canvas.scaffold.mask_id]
-        return masked, torch.tensor([self.tokens[first + i] for i in masked], dtype=torch.long, device=logits.device)
-
-    def read_groups(self, real):
-        def read(logits, base, canvas):
-            verified, proposals = real(logits, base, canvas)
-            b, length = logits.shape[0], len(canvas)
-            oracle = [[self.tokens[min(base + 1 + g + j, length - 1)] for j in range(1, b)] for g in range(b)]
-            return verified, oracle
-
-        return read
-
-
-def _with_oracle(monkeypatch, reference, rate, vocab):
-    oracle = Oracle(reference, rate, vocab)
-    monkeypatch.setattr(speculative, "propose", oracle.propose)
-    monkeypatch.setattr(quadratic, "_read_groups", oracle.read_groups(quadratic._read_groups))
-    return oracle
-
-
 CORRUPTION = [0.0, 0.05, 0.2, 0.5]
 BLOCK_SIZES = [4, 8, 16, 32]
 
@@ -72,7 +39,7 @@ BLOCK_SIZES = [4, 8, 16, 32]
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_speculative_decoders_equal_ar_with_oracle_drafts(random_case, monkeypatch, rate, block_size):
     model, prompt, scaffold, reference = random_case
-    oracle = _with_oracle(monkeypatch, reference, rate, len(model.tokenizer))
+    oracle = with_oracle(monkeypatch, reference, rate, len(model.tokenizer))
     assert (oracle.corrupted > 0) == (rate > 0)
     wrong_values = any(o != r for o, r, v in zip(oracle.tokens, reference, scaffold.is_value, strict=True) if v)
     runs = [
@@ -95,7 +62,7 @@ def test_speculative_decoders_equal_ar_with_oracle_drafts(random_case, monkeypat
 
 def test_quadratic_decoder_at_block_size_32_and_ar_jump_equal_ar(random_case, monkeypatch):
     model, prompt, scaffold, reference = random_case
-    _with_oracle(monkeypatch, reference, 0.2, len(model.tokenizer))
+    with_oracle(monkeypatch, reference, 0.2, len(model.tokenizer))
     assert decode("selfspec-quad", model, prompt, scaffold, block_size=32).token_ids == reference
     jump = decode("ar-jump", model, prompt, scaffold)
     assert jump.token_ids == reference

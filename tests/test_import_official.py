@@ -15,9 +15,11 @@ from typer.testing import CliRunner
 
 from fastddrive.cli import app
 from fastddrive.core.tokenizer import qwen25vl_tokenizer
+from fastddrive.decode import DECODERS, decode
 from fastddrive.decode.speculative import ss_nfe_floor
 from fastddrive.engine.official import RELEASE_MASK_ID, RELEASE_NULL_ID, OfficialImportError, import_official, rename
 from fastddrive.planner import PlanInputs, load
+from model_fixtures import with_oracle
 from qwen_tokenizer import qwen_tiktoken_path
 
 VOCAB_ROWS = 151_936
@@ -192,3 +194,151 @@ def test_the_release_prompt_is_what_the_chat_template_gives_for_the_releases_use
     text = planner.model.tokenizer.decode(prompt.input_ids[0].tolist())
     assert text.count("<|vision_start|>") == 3 and "You are a helpful assistant." in text
     assert "High-level navigation command: GO_LEFT" in text
+
+
+@pytest.fixture(scope="module")
+def peaky_release(imported):
+    """The imported folder's model in float64 with its weights scaled so that greedy ids vary with the context (a
+    random model at its initial scale writes one token everywhere), a three-camera prompt and `ar`'s ids."""
+    planner = load(imported[1])
+    model = planner.model
+    model.model.double()
+    with torch.no_grad():
+        for name, parameter in model.model.named_parameters():
+            if "norm" not in name and "visual" not in name:
+                parameter.mul_(10.0)
+    rng = np.random.default_rng(1)
+    frames = [rng.integers(0, 256, (1080, 1920, 3), dtype=np.uint8) for _ in range(3)]
+    history = np.array([[-3.0 + 0.5 * k, 0.1 * k, 5.0, 0.0, 0.2, -0.1] for k in range(7)])
+    prompt = planner.prompt(PlanInputs.checked(images=frames, history=history, command="go_right"))
+    reference = decode("ar", model, prompt, planner.scaffold).token_ids
+    values = [t for t, v in zip(reference, planner.scaffold.is_value, strict=True) if v]
+    assert len(set(values)) > 20  # the reference varies, so equal ids are no coincidence
+    return model, prompt, planner.scaffold, reference
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.2])
+def test_every_lossless_decoder_gives_ars_ids_on_the_release_layout_with_drafts_of_known_quality(
+    peaky_release, monkeypatch, rate
+):
+    model, prompt, scaffold, reference = peaky_release
+    assert scaffold.scaffold_tokenization == "release"
+    oracle = with_oracle(monkeypatch, reference, rate, len(model.tokenizer))  # selfspec's drafts
+    drafts = oracle.tokens
+    runs = {
+        "ss fused": decode("ss", model, prompt, scaffold, drafts=drafts),
+        "ss": decode("ss", model, prompt, scaffold, drafts=drafts, fuse_draft=False),
+        "selfspec": decode("selfspec", model, prompt, scaffold),
+        "ar-jump": decode("ar-jump", model, prompt, scaffold),
+        "jacobi": decode("jacobi", model, prompt, scaffold, drafts=drafts),
+        "jacobi-mr": decode("jacobi-mr", model, prompt, scaffold, drafts=drafts),
+    }
+    for name, result in runs.items():
+        assert result.token_ids == reference, name
+        if rate == 0.0 and name != "ar-jump":
+            assert max(result.accepted_per_step) >= 8, name  # the drafts were accepted
+    floor = ss_nfe_floor(scaffold)
+    if rate == 0.0:
+        assert runs["ss fused"].nfe == floor and runs["ss"].nfe == ss_nfe_floor(scaffold, fuse_draft=False)
+    else:
+        assert runs["ss fused"].nfe > floor  # a wrong draft costs forwards, never ids
+
+
+@pytest.mark.parametrize("imported", ["current"], indirect=True)  # the prefixes differ only in the import
+@pytest.mark.parametrize("preset", ["tiny-ar", "tiny-sasd"])
+def test_training_continues_the_imported_model_in_the_release_layout(imported, tmp_path_factory, preset):
+    from fastddrive.core.release_answer import render_release
+    from fastddrive.data.build import build_dataset
+    from fastddrive.data.dataset import DrivingDataset
+    from fastddrive.engine.model_files import load_model
+    from fastddrive.train.collate import DualStreamCollator
+    from fastddrive.train.config import load_config
+    from fastddrive.train.loop import continued_layout, initial_model, train
+
+    base = tmp_path_factory.mktemp(f"release-train-{preset}")
+    build_dataset(base / "data", 2, 21, ["merge"])
+    config = load_config(
+        preset,
+        init_from=str(imported[1]),
+        data=str(base / "data"),
+        out=str(base / "run"),
+        steps=2,
+        batch_size=1,
+        validation_samples=1,
+        validate_every=1000,
+        checkpoint_every=2,
+        warmup_steps=1,
+        image_min_pixels=56 * 56,
+        image_max_pixels=112 * 56,  # small frames: the test is about the answer layout
+    )
+    carried = continued_layout(config, imported[1])
+    assert (carried.scaffold_tokenization, carried.explanation_budget) == ("release", 192)  # the folder's, unasked
+    # The targets are the release's text as one tokenization, and the prompt the release's with three cameras.
+    model = initial_model(carried)
+    planner_scaffold = load(imported[1]).scaffold
+    sample = next(iter(DrivingDataset.open(base / "data").samples("train")))
+    example = DualStreamCollator(model, planner_scaffold, carried).example(sample)
+    ids = [t for t in example.response.tolist() if t != planner_scaffold.null_id]
+    if preset == "tiny-ar":
+        assert ids[-1] == model.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        ids = ids[:-1]
+    assert ids == model.tokenizer.encode(render_release(sample.response))
+    prompt = model.tokenizer.decode(example.prompt.input_ids[0].tolist())
+    assert prompt.count("<|vision_start|>") == 3 and "High-level navigation command:" in prompt
+
+    report = train(config, say=lambda _: None)
+    info = json.loads((report.final / "fastddrive.json").read_text())
+    assert (info["scaffold_tokenization"], info["explanation_budget"], info["prompt"]) == ("release", 192, "release")
+    assert info["cameras"] == ["FRONT_LEFT", "FRONT", "FRONT_RIGHT"]
+    trained = load(report.final)
+    assert trained.scaffold.scaffold_tokenization == "release"
+    assert not torch.equal(  # the weights moved
+        load_model(report.final).model.get_input_embeddings().weight, model.model.get_input_embeddings().weight
+    )
+
+
+@pytest.mark.parametrize("imported", ["current"], indirect=True)
+def test_plan_on_the_command_line_takes_the_three_front_cameras_of_the_users_sizes(imported, tmp_path):
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    rng = np.random.default_rng(2)
+    cameras = []
+    sizes = [(1920, 1080), (1600, 900), (1920, 1080)]  # (width, height)
+    for name, (width, height) in zip(("FRONT_LEFT", "FRONT", "FRONT_RIGHT"), sizes, strict=True):
+        path = tmp_path / f"{name}.jpg"
+        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path, format="JPEG")
+        cameras += ["--camera", f"{name}={path}"]
+    history = json.dumps(np.zeros((7, 6)).tolist())
+    args = ["plan", "--model", str(imported[1]), "--history", history, "--command", "go_left", "--json"]
+    result = CliRunner().invoke(app, [*args, *cameras, "--decoder", "ss"])
+    assert result.exit_code in (0, 1), result.output  # 1: the random weights' answer does not parse
+    answer = json.loads(result.stdout)
+    release = [smart_resize(h, w, 28, 200_704, 200_704)[::-1] for w, h in sizes]
+    assert answer["image_sizes_px"] == [list(size) for size in release]  # each camera at the release's pixels
+    assert len(answer["token_ids"]) == 404  # the release layout with the real vocabulary
+    missing = CliRunner().invoke(app, [*args, *cameras[:4]])  # FRONT_LEFT and FRONT only
+    assert missing.exit_code == 2 and "camera FRONT_RIGHT is missing" in missing.output
+
+
+# Options that bound the work of a random model over 151,936 logits per position (confidence never reaches 0.9).
+QUICK_OPTIONS = {
+    "fullseq": {"tau": 0.0},
+    "mdm": {"tau": 0.0},
+    "sd": {"tau": 0.0},
+    "pvf": {"tau": 0.0, "planning": False},  # no planning vocabulary calibrated for this folder
+    "selfspec-quad": {"block_size": 4},
+    "tts": {"rollouts": 2},
+}
+
+
+@pytest.mark.parametrize("imported", ["current"], indirect=True)
+def test_every_decoder_runs_on_the_imported_folder(imported):
+    planner = load(imported[1])
+    frames = [np.zeros((308, 588, 3), np.uint8)] * 3
+    for decoder in sorted(DECODERS):
+        options = QUICK_OPTIONS.get(decoder, {})
+        result = planner.plan(
+            decoder=decoder, images=frames, history=np.zeros((7, 6)), command="go_straight", **options
+        )
+        assert len(result.token_ids) == len(planner.scaffold) == 404 and result.nfe >= 1, decoder

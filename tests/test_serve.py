@@ -241,10 +241,14 @@ def _server_process(started, release, isolated=False, timeout_s=600.0, grace_s=6
 
 
 def _refuses_connections(base):
+    """Whether the server's listening socket is closed. While it closes, a connection may still be taken and then
+    dropped unanswered (RemoteProtocolError, a read error): that is "not yet", not a failure."""
     try:
         httpx.get(base + "/healthz", timeout=5)
     except httpx.ConnectError:
         return True
+    except httpx.TransportError:
+        return False
     return False
 
 

@@ -164,6 +164,17 @@ def prompt_inputs(model: BlockDiffusionModel, command: str, history: np.ndarray,
     return model.encode_prompt(prompt_text_of(model.info, command, history, len(images)), images)
 
 
+def scene_prompt(model: BlockDiffusionModel, scene: DrivingSample | PlanInputs) -> PromptInputs:
+    """The tokenized prompt of a scene in the model folder's prompt mode; a data set's joined frame is cut into
+    the model's separate cameras (`CheckpointInfo.cameras`)."""
+    cameras = len(model.info.cameras)
+    if isinstance(scene, DrivingSample):
+        images = split_cameras(scene.image, cameras) if cameras > 1 else [scene.image]
+    else:
+        images = list(scene.images)
+    return prompt_inputs(model, scene.command, scene.history, images)
+
+
 def prompt_text_of(info: CheckpointInfo, command: str, history: np.ndarray, images: int) -> str:
     """The chat prompt a model folder asks for (`CheckpointInfo.prompt`), with `images` image slots."""
     if info.prompt == "release":
@@ -245,12 +256,7 @@ class Planner:
 
     def prompt(self, scene: DrivingSample | PlanInputs) -> PromptInputs:
         """The tokenized prompt of a scene; a data set's joined frame is cut into the model's separate cameras."""
-        cameras = len(self.model.info.cameras)
-        if isinstance(scene, DrivingSample):
-            images = split_cameras(scene.image, cameras) if cameras > 1 else [scene.image]
-        else:
-            images = scene.images
-        return prompt_inputs(self.model, scene.command, scene.history, images)
+        return scene_prompt(self.model, scene)
 
     def plan(
         self,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 SECTIONS: tuple[str, ...] = ("critical_objects", "explanation", "future_meta_behavior", "trajectory")
@@ -72,6 +72,7 @@ _FRAC_PART = re.compile(rf"^\d{{{COORD_FRAC_DIGITS}}}$")
 # The text of a control token: Qwen's `<|im_end|>`, `<|vision_start|>`, ... and fastddrive's `<|NULL|>`, `|<MASK>|`.
 SPECIAL_TOKEN_TEXT = re.compile(r"<\|[^<>|\s]+\|>|\|<[^<>|\s]+>\|")
 _SPECIAL_TOKEN_ERROR = "special_token_text"
+META_TEXT_LIMIT = 64  # characters of a verbatim meta-behaviour phrase (the release's are at most 3 tokens)
 
 
 class ResponseError(ValueError):
@@ -84,7 +85,12 @@ class SpecialTokenText(ResponseError):
 
 
 class MetaBehavior(BaseModel):
-    """The decision for the next 5 s, from the release's two vocabularies."""
+    """The decision for the next 5 s, from the release's two vocabularies.
+
+    A release answer's phrase that names none of them is kept verbatim (`core.release_answer`): validated with
+    the context `{"free_meta_text": True}`, a value outside the vocabulary is accepted as one line of at most
+    `META_TEXT_LIMIT` characters without a special token's text.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -93,17 +99,26 @@ class MetaBehavior(BaseModel):
 
     @field_validator("longitudinal")
     @classmethod
-    def _known_longitudinal(cls, value: str) -> str:
-        if value not in LONGITUDINAL_BEHAVIORS:
-            raise ValueError(f"unknown longitudinal behaviour {value!r}; known: {', '.join(LONGITUDINAL_BEHAVIORS)}")
-        return value
+    def _known_longitudinal(cls, value: str, info: ValidationInfo) -> str:
+        return _meta_value("longitudinal", value, LONGITUDINAL_BEHAVIORS, info)
 
     @field_validator("lateral")
     @classmethod
-    def _known_lateral(cls, value: str) -> str:
-        if value not in LATERAL_BEHAVIORS:
-            raise ValueError(f"unknown lateral behaviour {value!r}; known: {', '.join(LATERAL_BEHAVIORS)}")
+    def _known_lateral(cls, value: str, info: ValidationInfo) -> str:
+        return _meta_value("lateral", value, LATERAL_BEHAVIORS, info)
+
+
+def _meta_value(what: str, value: str, known: tuple[str, ...], info: ValidationInfo) -> str:
+    if value in known:
         return value
+    if not (info.context or {}).get("free_meta_text"):
+        raise ValueError(f"unknown {what} behaviour {value!r}; known: {', '.join(known)}")
+    if not value.strip() or len(value) > META_TEXT_LIMIT or "\n" in value or SPECIAL_TOKEN_TEXT.search(value):
+        raise ValueError(
+            f"{what} behaviour {value[:META_TEXT_LIMIT]!r} is not a phrase: one line of 1 to {META_TEXT_LIMIT} "
+            "characters without a special token's text"
+        )
+    return value
 
 
 class DrivingResponse(BaseModel):
@@ -298,8 +313,9 @@ def from_slot_values(values: Mapping[str, str]) -> DrivingResponse:
     )
 
 
-def parse(text: str) -> DrivingResponse:
-    """Parse and validate response JSON text; raises ResponseError saying what is wrong."""
+def parse(text: str, free_meta_text: bool = False) -> DrivingResponse:
+    """Parse and validate response JSON text; raises ResponseError saying what is wrong. `free_meta_text` keeps
+    a meta-behaviour value outside the vocabulary verbatim (a release answer's phrase)."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
@@ -313,12 +329,12 @@ def parse(text: str) -> DrivingResponse:
             raise ResponseError(f"trajectory text is not a list of [x, y] pairs: {trajectory[:80]!r}")
         numbers = re.findall(_NUMBER, trajectory)
         data = {**data, "trajectory": [numbers[i : i + 2] for i in range(0, len(numbers), 2)]}
-    return _validated(data)
+    return _validated(data, free_meta_text)
 
 
-def _validated(data: Mapping[str, Any]) -> DrivingResponse:
+def _validated(data: Mapping[str, Any], free_meta_text: bool = False) -> DrivingResponse:
     try:
-        return DrivingResponse.model_validate(dict(data))
+        return DrivingResponse.model_validate(dict(data), context={"free_meta_text": free_meta_text})
     except ValueError as err:
         errors = getattr(err, "errors", None)
         special = errors is not None and errors()[0]["type"] == _SPECIAL_TOKEN_ERROR

@@ -56,7 +56,7 @@ class CheckpointInfo:
     null_token_id: int | None = None
     explanation_budget: int | None = None
     block_size: int | None = None
-    scaffold_tokenization: str = "pieces"  # how the scaffold it was trained on cuts its text (scaffold.py)
+    scaffold_tokenization: str = "pieces"  # its scaffold layout: "pieces", "runs" or "release" (core/scaffold.py)
     extra: dict[str, Any] = field(default_factory=dict)
     # The camera layout: [] = "joined" (the cameras side by side in one frame, or one camera); names = "separate"
     # (one image per camera, in this order: the official release's FRONT_LEFT, FRONT, FRONT_RIGHT).

@@ -23,6 +23,7 @@ from transformers import (
 
 from fastddrive.core.memory import check_allocation
 from fastddrive.core.outputs import fsync_folder, staged_folder
+from fastddrive.core.scaffold import SCAFFOLD_TOKENIZATIONS
 from fastddrive.core.tokenizer import (
     DiffusionTokenIds,
     MissingDiffusionTokens,
@@ -173,7 +174,7 @@ def read_info(path: Path) -> CheckpointInfo:
         "null_token_id": (_id_or_none, "a token id or null"),
         "explanation_budget": (_size_or_none, "a positive integer or null"),
         "block_size": (_size_or_none, "a positive integer or null"),
-        "scaffold_tokenization": (lambda v: v in ("pieces", "runs"), "'pieces' or 'runs'"),
+        "scaffold_tokenization": (lambda v: v in SCAFFOLD_TOKENIZATIONS, "'pieces', 'runs' or 'release'"),
         "extra": (lambda v: isinstance(v, dict), "a JSON object"),
         "prompt": (lambda v: v in ("fastddrive", "release"), "'fastddrive' or 'release'"),
         "cameras": (

@@ -203,6 +203,7 @@ def import_official(
         null_token_id=RELEASE_NULL_ID,
         explanation_budget=RELEASE_EXPLANATION_BUDGET,
         block_size=int(release.get("bd_size", RELEASE_BLOCK_SIZE)),
+        scaffold_tokenization="release",
         extra={"imported_from": source_type, "release_settings": release, "camera_pixels": RELEASE_PIXELS},
         cameras=list(RELEASE_CAMERAS),
         prompt="release",

@@ -213,8 +213,9 @@ def create_app(
     async def plan_form(request: Request) -> Response:
         """The page's form: a frame upload (or a data-folder scene), history, command, decoder, options."""
         facts = ready_model()
+        cameras = max(1, len(facts.cameras))
         try:
-            form = await request.form(max_files=1, max_fields=8, max_part_size=FORM_FIELD_BYTES)
+            form = await request.form(max_files=cameras, max_fields=8, max_part_size=FORM_FIELD_BYTES)
         except StarletteHTTPException as err:
             if err.status_code != 400:  # 413, 408: the body's limits
                 raise
@@ -223,12 +224,13 @@ def create_app(
         fields = {
             name: text_field(form, name, errors) for name in ("command", "scene", "history", "decoder", "options")
         }
-        frame = form.get("frame")
-        data = None
-        if isinstance(frame, UploadFile) and frame.filename:  # a browser sends an empty part when no file is chosen
-            data = await frame.read()
-        elif isinstance(frame, str) and frame:
-            errors.append(refusal(("frame",), "frame must be a file upload (PNG or JPEG)"))
+        frames = []
+        for k, frame in enumerate(form.getlist("frame")):  # one per camera of the model, in its order
+            field = "frame" if cameras == 1 else f"frame {k}"
+            if isinstance(frame, UploadFile) and frame.filename:  # a browser sends an empty part for no file chosen
+                frames.append((field, await frame.read()))
+            elif isinstance(frame, str) and frame:
+                errors.append(refusal((field,), "frame must be a file upload (PNG or JPEG)"))
 
         def checked() -> tuple[PlanInputs, str, dict[str, Any]]:
             picked = None
@@ -241,7 +243,7 @@ def create_app(
             return schemas.plan_from_form(
                 facts,
                 rules,
-                data,
+                frames,
                 picked,
                 fields["history"],
                 fields["command"],
@@ -311,9 +313,13 @@ def create_app(
 
     @app.get("/readyz", responses={**keyed, 503: {"description": "Not ready: loading, restarting or stopping."}})
     def readyz() -> Response:
-        """The model is loaded and requests are taken (503 while it loads or restarts, or with why it failed)."""
+        """The model is loaded and requests are taken (503 while it loads or restarts, or with why it failed); when
+        ready, also the cameras it takes as separate images, in order (none: one frame)."""
         if worker.ready:
-            return JSONResponse({"status": "ready", "decoder": default_decoder, "max_queue": max_queue})
+            cameras = list(worker.planner.facts.cameras)
+            return JSONResponse(
+                {"status": "ready", "decoder": default_decoder, "max_queue": max_queue, "cameras": cameras}
+            )
         return JSONResponse({"status": worker.status}, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=keyed)

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, ValidationError
 
 from fastddrive.core.inputs import image_from_bytes, image_size
 from fastddrive.core.memory import MemoryBudgetError
-from fastddrive.core.sample import HISTORY_COLUMNS, HISTORY_STEPS, NAV_COMMANDS, SampleError
+from fastddrive.core.sample import HISTORY_COLUMNS, HISTORY_STEPS, NAV_COMMANDS, SampleError, split_cameras
 from fastddrive.core.schema import DrivingResponse
 from fastddrive.decode.registry import DECODERS, DecoderError, decoder_options
 from fastddrive.planner import ModelFacts, PlanInputs
@@ -139,7 +139,7 @@ def plan_from_json(
 def plan_from_form(
     facts: ModelFacts,
     rules: ServiceRules,
-    frame: bytes | None,
+    frames: list[tuple[str, bytes]],
     scene: tuple[np.ndarray, list[list[float]]] | None,
     history: str,
     command: str,
@@ -147,12 +147,19 @@ def plan_from_form(
     options: str,
     errors: list[dict[str, Any]],
 ) -> tuple[PlanInputs, str, dict[str, Any]]:
-    """(scene, decoder, options) of the page's form: a frame's bytes or a data-folder scene (image, history),
-    history and options as JSON text; RequestValidationError naming every bad field (`errors`: found before)."""
+    """(scene, decoder, options) of the page's form: (field, bytes) of its frames, one per camera of the model, or
+    a data-folder scene (image, history; its joined frame cut into the model's cameras), history and options as
+    JSON text; RequestValidationError naming every bad field (`errors`: found before)."""
     errors = list(errors)
-    images, rows = ([scene[0]], scene[1]) if scene is not None else ([], None)
-    if frame is not None:
-        images, frame_errors = decode_images([("frame", frame)], rules.limits)
+    images, rows = [], None
+    if scene is not None:
+        cameras, rows = len(facts.cameras), scene[1]
+        try:
+            images = split_cameras(scene[0], cameras) if cameras > 1 else [scene[0]]
+        except SampleError as err:
+            errors.append(refusal(("scene",), str(err)))
+    if frames:
+        images, frame_errors = decode_images(list(frames), rules.limits)
         errors += frame_errors
     try:
         rows = json.loads(history) if history.strip() else rows

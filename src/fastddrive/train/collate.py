@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fastddrive.core.prompt import chat_text
 from fastddrive.core.sample import DrivingSample
 from fastddrive.core.scaffold import Scaffold
 from fastddrive.core.schema import SECTIONS
 from fastddrive.engine.model import BlockDiffusionModel, PromptInputs
+from fastddrive.planner import scene_prompt
 from fastddrive.train.config import TrainConfig
 from fastddrive.train.noise import complementary_masks, section_rates
 
@@ -73,9 +73,7 @@ class DualStreamCollator:
         self.ar_weights = np.array([config.ar_section_weights[s] for s in SECTIONS])
 
     def example(self, sample: DrivingSample) -> Example:
-        images = [sample.image] if self.model.is_vision else []
-        text = chat_text(sample.command, sample.history, images=len(images))
-        prompt = self.model.encode_prompt(text, images)
+        prompt = scene_prompt(self.model, sample)  # the folder's prompt mode and cameras, as the planner reads them
         ids = np.asarray(self.scaffold.encode(sample.response).ids)
         if self.config.recipe == "ar":
             # The AR baseline writes the JSON freely: the same tokens without NULL padding, then <|im_end|>.

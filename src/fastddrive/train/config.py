@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from fastddrive.core.sample import check_pixel_range
+from fastddrive.core.scaffold import ScaffoldTokenization
 from fastddrive.core.schema import SECTIONS
 
 
@@ -110,7 +111,9 @@ class TrainConfig(BaseModel):
     # teachers, whose answers never parse, keep them).
     skip_unparsed: bool = True
     explanation_budget: int = Field(default=32, ge=1, le=4096)
-    scaffold_tokenization: Literal["pieces", "runs"] = "pieces"  # "runs" for real BPE vocabularies (scaffold.py)
+    # "runs" for real BPE vocabularies, "release" for the official checkpoint's layout (scaffold.py); a model
+    # folder's own layout (fastddrive.json) is what init_from continues with
+    scaffold_tokenization: ScaffoldTokenization = "pieces"
     checkpoint_every: int = Field(default=200, ge=1, le=MAX_STEPS)
     keep_checkpoints: int = Field(default=2, ge=1, le=1000)
     validate_every: int = Field(default=200, ge=1, le=MAX_STEPS)

@@ -22,6 +22,7 @@ import torch
 import transformers
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
+from pydantic import ValidationError
 
 from fastddrive.core.memory import check_allocation
 from fastddrive.core.outputs import OutputError, check_folder_destination, owner, write_json, write_text
@@ -31,10 +32,12 @@ from fastddrive.core.tokenizer import default_tokenizer_path, load_tokenizer
 from fastddrive.data.dataset import DrivingDataset, check_row_numbers, from_row
 from fastddrive.engine.model import BlockDiffusionModel, CheckpointInfo
 from fastddrive.engine.model_files import (
+    INFO_FILE,
     check_model_folder,
     ensure_diffusion_tokens,
     load_model,
     model_path,
+    read_info,
     save_model,
     tiny_image_processor,
     tiny_qwen2_5_vl,
@@ -129,8 +132,30 @@ def initial_model(config: TrainConfig) -> BlockDiffusionModel:
         block_size=config.block_size,
         scaffold_tokenization=config.scaffold_tokenization,
         extra={"preset": config.name},
+        cameras=wrapper.info.cameras,  # how the model reads its input stays the folder's
+        prompt=wrapper.info.prompt,
     )
     return wrapper
+
+
+def continued_layout(config: TrainConfig, init: Path | None) -> TrainConfig:
+    """The config with the answer layout of the folder it starts from where the config is silent: an imported
+    official checkpoint goes on in the release layout with its 192-token explanation (fastddrive.json)."""
+    if init is None:
+        return config
+    info = read_info(init)
+    carried = {"scaffold_tokenization": info.scaffold_tokenization, "explanation_budget": info.explanation_budget}
+    update = {k: v for k, v in carried.items() if v is not None and k not in config.model_fields_set}
+    if not update:
+        return config
+    try:
+        return TrainConfig.model_validate(config.model_dump() | update)
+    except ValidationError as err:
+        problem = err.errors(include_url=False)[0]
+        raise ConfigError(
+            f"init_from {config.init_from!r}: its {INFO_FILE} {problem['loc'][0]} does not fit a training config: "
+            f"{problem['msg']}"
+        ) from None
 
 
 def batch_loss(noisy: torch.Tensor, clean: torch.Tensor, batch: Batch, config: TrainConfig) -> LossParts:
@@ -415,6 +440,7 @@ def train(
         mixed_precision="bf16" if config.dtype == "bfloat16" else "no", cpu=not torch.cuda.is_available()
     )
     init = _init_path(config)
+    config = continued_layout(config, init)
     out = _check_out(config, init)
     dataset = DrivingDataset.open(config.data)  # a missing or foreign data folder is refused before anything else
     rows = dataset.table("train").to_pylist()
