@@ -6,6 +6,9 @@ BIN := $(VENV)/bin
 DEMO_DIR ?= runs/demo
 # The official nuscenes-devkit pins numpy<2: it gets an environment of its own, which the tests read exports with.
 DEVKIT := .venv-nuscenes-devkit
+# Waymo's generated protos (E2EDFrame, E2EDChallengeSubmission) for the tests to write records and read submissions
+# with; their wheel depends on tensorflow, which is not installed: the protos alone, in a folder of their own.
+WAYMO_PROTOS := .waymo-protos
 
 .PHONY: demo test lint clean
 
@@ -25,13 +28,18 @@ $(DEVKIT)/.installed:
 	$(DEVKIT)/bin/pip install -q "nuscenes-devkit==1.2.0" "numpy<2"
 	touch $@
 
+$(WAYMO_PROTOS)/.installed: | $(BIN)/python
+	$(BIN)/pip install -q --no-deps --target $(WAYMO_PROTOS) "waymo-open-dataset-tf-2-12-0==1.6.7"
+	touch $@
+
 demo: $(VENV)/.installed
 	$(BIN)/fastddrive demo --out $(DEMO_DIR)
 
-test: $(VENV)/.installed-test $(DEVKIT)/.installed
+test: $(VENV)/.installed-test $(DEVKIT)/.installed $(WAYMO_PROTOS)/.installed
 	$(BIN)/ruff check src tests
 	$(BIN)/lint-imports
-	NUSCENES_DEVKIT_PYTHON=$(abspath $(DEVKIT))/bin/python HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	NUSCENES_DEVKIT_PYTHON=$(abspath $(DEVKIT))/bin/python WAYMO_PROTOS=$(abspath $(WAYMO_PROTOS)) HF_HUB_OFFLINE=1 \
+		$(BIN)/python -m pytest -q
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check src tests

@@ -7,7 +7,8 @@ Per key frame that has 3 s of past and 3 s of future key frames (the ones a plan
 (tools/data_converter/vad_nuscenes_converter.py) computes them; the annotation boxes the devkit gives at
 that key frame and at the first lidar sweep after it (`get_sample_data`, which interpolates between key
 frames), in the same frame; the CAN bus `pose` message at the key frame's time. Also renders the front camera
-with its boxes, the devkit's own check that images, calibrations and boxes fit together.
+with its boxes, the devkit's own check that images, calibrations and boxes fit together, and checks that every
+sample carries CAM_FRONT and that the boxes the devkit projects onto a drawn key frame land on the drawn agents.
 """
 
 import json
@@ -19,8 +20,12 @@ matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 from nuscenes.can_bus.can_bus_api import NuScenesCanBus  # noqa: E402
 from nuscenes.nuscenes import NuScenes  # noqa: E402
-from nuscenes.utils.geometry_utils import transform_matrix  # noqa: E402
+from nuscenes.utils.geometry_utils import BoxVisibility, transform_matrix, view_points  # noqa: E402
+from PIL import Image  # noqa: E402
 from pyquaternion import Quaternion  # noqa: E402
+
+DRAWN_GROUND_RGB = (96, 96, 96)  # data/nuscenes.py: the ground of a drawn key frame
+AGENT_RGB = (40, 80, 200)  # and its agents
 
 
 def lidar_global_pose(nusc: NuScenes, lidar_token: str) -> np.ndarray:
@@ -83,11 +88,26 @@ def main(dataroot: str, version: str, out: str) -> None:
             "sweep_is_key_frame": nusc.get("sample_data", lidar["next"])["is_key_frame"],
             "can_velocity": poses[0]["vel"][:2] if poses else None,
         }
+    cameras = {"samples": len(nusc.sample), "with_cam_front": 0, "boxes_seen": 0, "boxes_on_drawn_agents": 0}
+    for sample in nusc.sample:  # every sample carries the camera it claims, and its boxes project onto it
+        if "CAM_FRONT" not in sample["data"]:
+            continue
+        cameras["with_cam_front"] += 1
+        path, boxes, intrinsic = nusc.get_sample_data(sample["data"]["CAM_FRONT"], box_vis_level=BoxVisibility.ANY)
+        image = np.asarray(Image.open(path).convert("RGB"))
+        drawn = bool((image == DRAWN_GROUND_RGB).all(axis=-1).mean() > 0.5)  # a drawn key frame
+        for box in boxes:
+            u, v = view_points(box.center[:, None], intrinsic, normalize=True)[:2, 0]
+            if not (0 <= u < image.shape[1] and 0 <= v < image.shape[0]):
+                continue
+            cameras["boxes_seen"] += int(drawn)
+            rgb = image[int(v), int(u)].astype(int)
+            cameras["boxes_on_drawn_agents"] += bool(drawn and np.abs(rgb - AGENT_RGB).max() < 40)
     first = nusc.get("sample", next(iter(checked)))
     rendered = out.removesuffix(".json") + ".png"
     nusc.render_sample_data(first["data"]["CAM_FRONT"], out_path=rendered, verbose=False)
     with open(out, "w") as file:
-        json.dump({"samples": checked, "scenes": len(nusc.scene), "rendered": rendered}, file)
+        json.dump({"samples": checked, "scenes": len(nusc.scene), "rendered": rendered, "cameras": cameras}, file)
 
 
 if __name__ == "__main__":

@@ -351,7 +351,7 @@ def test_a_wod_conversion_replaces_a_data_set_once_it_converted_and_an_interrupt
     export_wod_e2e(dataset, release, split="train")
     before = _tree(dataset)
 
-    def interrupt() -> None:
+    def interrupt(_: int) -> None:
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):

@@ -179,7 +179,9 @@ def test_the_export_has_the_nuscenes_layout(exported):
     assert {t for m in tables["map"] for t in m["log_tokens"]} == set(tokens["log"])
     assert (root / tables["map"][0]["filename"]).is_file()
     frames = sorted((root / "samples" / "CAM_FRONT").glob("*.jpg"))
-    assert len(frames) == report.scenes
+    assert len(frames) == 17 * report.scenes  # CAM_FRONT at every key frame, as every nuScenes sample has
+    cameras = [r for r in tables["sample_data"] if r["filename"].startswith("samples/CAM_FRONT/")]
+    assert {r["sample_token"] for r in cameras} == set(tokens["sample"])
 
 
 def test_a_missing_table_is_named_and_nothing_is_written(exported, tmp_path):
@@ -322,6 +324,13 @@ def devkit(exported, tmp_path_factory):
 def test_the_devkit_loads_the_export_and_renders_a_camera_with_its_boxes(devkit, converted):
     assert devkit["scenes"] == converted[1].scenes
     assert Path(devkit["rendered"]).stat().st_size > 10_000
+
+
+@needs_devkit
+def test_every_sample_carries_cam_front_and_the_devkits_boxes_land_on_the_drawn_agents(devkit):
+    cameras = devkit["cameras"]
+    assert cameras["with_cam_front"] == cameras["samples"] > 0
+    assert cameras["boxes_seen"] > 20 and cameras["boxes_on_drawn_agents"] == cameras["boxes_seen"]
 
 
 @needs_devkit

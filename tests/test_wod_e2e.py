@@ -85,7 +85,7 @@ def test_export_writes_the_release_layout(dataset, tmp_path):
     calls = []
     report = export_wod_e2e(dataset, tmp_path, on_item=lambda: calls.append(1))
     assert report.samples == {"training": 2, "validation": 2, "test": 1}
-    assert len(calls) == 5
+    assert calls == [1] * 5
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["test.json", "training.json", "validation.json"]
     record = load(tmp_path / "validation.json")[0]
     original = stored(dataset)["val"][0]
@@ -175,9 +175,9 @@ def test_the_prompt_is_the_releases_byte_for_byte():
 def test_png_export_converts_back_to_the_same_samples(dataset, tmp_path):
     export_wod_e2e(dataset, tmp_path / "release", image_format="png")
     calls = []
-    report = convert_wod_e2e(tmp_path / "release", tmp_path / "back", on_item=lambda: calls.append(1))
+    report = convert_wod_e2e(tmp_path / "release", tmp_path / "back", on_item=calls.append)
     assert (report.samples, report.failures, report.answers_derived) == ({"train": 2, "val": 2, "test": 1}, [], 0)
-    assert len(calls) == 5
+    assert calls == [1] * 5
     back, original = stored(tmp_path / "back"), stored(dataset)
     for split in original:
         assert len(back[split]) == len(original[split])
@@ -248,7 +248,7 @@ def test_malformed_records_are_reported_with_file_and_id_and_the_rest_converts(d
     assert_same(stored(tmp_path / "back")["val"][0], stored(dataset)["val"][1])
 
 
-def test_unrated_frames_are_dropped_from_scored_splits_and_kept_in_train(dataset, tmp_path):
+def test_unrated_frames_are_kept_and_marked_by_having_no_raters(dataset, tmp_path):
     release = tmp_path / "release"
     export_wod_e2e(dataset, release, image_format="png")
     original = stored(dataset)
@@ -283,10 +283,15 @@ def test_unrated_frames_are_dropped_from_scored_splits_and_kept_in_train(dataset
     assert report.failures == []
     assert report.unrated == {"train": 0, "val": 1, "test": 2}
     back = stored(tmp_path / "back")
-    assert [s.sample_id for s in back["val"]] == [second.sample_id]
-    assert [s.sample_id for s in back["test"]] == ["json-rated"]
-    np.testing.assert_array_equal(back["test"][0].rater_trajectories, second.rater_trajectories)
-    np.testing.assert_array_equal(back["test"][0].rater_scores, second.rater_scores)
+    # Kept for a submission, which must cover every frame; the official evaluator (and eval) score rated ones only.
+    assert [(s.sample_id, len(s.rater_scores)) for s in back["val"]] == [(first.sample_id, 0), (second.sample_id, 3)]
+    assert [(s.sample_id, len(s.rater_scores)) for s in back["test"]] == [
+        (test["sample_id"], 0),
+        ("no-raters", 0),
+        ("json-rated", 3),
+    ]
+    np.testing.assert_array_equal(back["test"][2].rater_trajectories, second.rater_trajectories)
+    np.testing.assert_array_equal(back["test"][2].rater_scores, second.rater_scores)
     assert [s.rater_scores.size for s in back["train"]] == [0, 0]
 
 
@@ -386,7 +391,7 @@ def test_tfrecord_framing_round_trips_and_a_flipped_byte_is_named(tmp_path):
     first, error, third = read_altered(bytes(flipped))
     assert (first, third) == (records[0], records[2])
     assert isinstance(error, CorruptRecord) and error.index == 1
-    assert str(error) == f"{path}: record #1: the data fails its CRC"
+    assert str(error) == f"{path}: record #1 at byte {second}: the data fails its CRC"
     flipped = bytearray(raw)
     flipped[second] ^= 0x01  # in record #1's length: the framing is lost from there
     first, error = read_altered(bytes(flipped))
@@ -419,13 +424,18 @@ def test_e2ed_frames_use_the_official_field_numbers():
     assert (decoded.name, decoded.timestamp_micros, decoded.intent, decoded.raters) == ("ab", 42, "GO_LEFT", [])
     np.testing.assert_array_equal(decoded.future, [[3.0, 4.0]])
 
-    # A frame as WOD writes it holds more, skipped: Frame.images = 4 with CameraImage name = 1 and image = 2,
-    # E2EDFrame.past_states = 6.
+    # A frame as WOD writes it holds its cameras and past: Frame.images = 4 with CameraImage name = 1 (FRONT = 1)
+    # and image = 2, E2EDFrame.past_states = 6 with pos_x, pos_y, vel_x, vel_y, accel_x, accel_y = 1, 2, 4, 5, 6, 7.
     image = b"\x08\x01" + b"\x12\x03jpg"
     frame = b"\x0a\x04\x0a\x02ab" + b"\x22" + bytes([len(image)]) + image
-    past = b"\x0a\x04" + f32(5.0)
-    full = b"\x0a" + bytes([len(frame)]) + frame + b"\x32\x06" + past + data[len(name) :]
-    assert decode_frame(full) == decode_frame(data)
+    past = b"".join(bytes([number << 3 | 2, 4]) + f32(float(number)) for number in (1, 2, 4, 5, 6, 7))
+    full = b"\x0a" + bytes([len(frame)]) + frame + b"\x32" + bytes([len(past)]) + past + data[len(name) :]
+    decoded = decode_frame(full)
+    assert decoded.images == {"FRONT": b"jpg"} and decoded.raters == decode_frame(data).raters
+    np.testing.assert_array_equal(decoded.past, [[1.0, 2.0, 4.0, 5.0, 6.0, 7.0]])
+    cut = b"\x0a" + bytes([len(frame)]) + frame + b"\x32\x06" + b"\x0a\x04" + f32(5.0)  # pos_x alone
+    with pytest.raises(ValueError, match="past_states columns differ in length: 1 pos_x, 0 pos_y"):
+        decode_frame(cut)
     with pytest.raises(ValueError, match="E2EDFrame"):
         decode_frame(b"\x0a\xff")
 

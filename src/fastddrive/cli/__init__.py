@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastddrive.cli import data, drive, evaluate, models, plan, pvf, serve, tokenizer, train  # noqa: F401 (registers)
+from fastddrive.cli import data, drive, evaluate, models, plan, pvf, serve, submit, tokenizer, train  # noqa: F401
 from fastddrive.cli.common import app
 
 

@@ -79,6 +79,7 @@ def user_errors() -> Iterator[None]:
     from fastddrive.engine.model_files import DeviceError
     from fastddrive.engine.random_init import UnknownPreset
     from fastddrive.eval.roofline import RooflineError
+    from fastddrive.eval.submission import SubmissionError
     from fastddrive.serve.guards import ListenError
     from fastddrive.serve.loadtest import LoadTestError
     from fastddrive.train.checkpoint import CheckpointError
@@ -105,6 +106,7 @@ def user_errors() -> Iterator[None]:
         ListenError,
         OutputError,
         MemoryBudgetError,
+        SubmissionError,
     )
     try:
         yield

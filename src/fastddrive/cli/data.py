@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -33,6 +34,10 @@ class _Counter:
     def advance(self, note: str = "") -> None:
         self._show()
         self.progress.update(self.task, advance=1, note=note)
+
+    def add(self, count: int) -> None:
+        self._show()
+        self.progress.update(self.task, advance=count)
 
     def stop(self) -> None:
         if self.shown:  # a progress bar that never showed prints nothing, not even a line break
@@ -145,25 +150,58 @@ def data_verify(
 def data_wod_e2e(
     src: Annotated[
         Path,
-        typer.Option(help="Folder of release-format JSON files (training/validation/test) and TFRecords (raters)."),
+        typer.Option(
+            help="Folder of release-format JSON files (training/validation/test) with TFRecords (raters), or of "
+            "raw WOD-E2E TFRecords alone (training.tfrecord-*, validation.tfrecord-*, test.tfrecord-*)."
+        ),
     ],
     out: Annotated[Path, typer.Option(help="Output dataset folder.")],
     image_root: Annotated[Path | None, typer.Option(help="Root of the records' image paths (default: --src).")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing dataset in --out (once converted).")] = False,
+    shard: Annotated[
+        str, typer.Option(help="I/N: convert every N-th raw TFRecord file from the I-th (N machines, one folder).")
+    ] = "0/1",
+    workers: Annotated[
+        int | None, typer.Option(min=1, max=512, help="Processes converting raw TFRecord files (default: every CPU).")
+    ] = None,
 ) -> None:
-    """Convert WOD-E2E in the Fast-dDrive / dVLM-AD release format into a dataset (unrated val/test frames
-    dropped as WOD-E2E requires; a malformed record is reported by file and id, the rest converted)."""
+    """Convert WOD-E2E into a dataset: the Fast-dDrive / dVLM-AD release format, or raw TFRecords (the three front
+    cameras, the history from past_states, the command from intent; file by file on every CPU, resumed when run
+    again after an interruption). Val and test frames without raters or a logged future are kept and marked; a
+    malformed or corrupt record is reported by file and id (or byte offset), the rest converted."""
+    from fastddrive.data.build import usable_cpus
     from fastddrive.data.wod_e2e import convert_wod_e2e
 
+    with user_errors():
+        index, count = _shard(shard)
     with user_errors(), _Counter("records") as counter:
-        report = convert_wod_e2e(src, out, image_root, overwrite=overwrite, on_item=counter.advance)
+        report = convert_wod_e2e(
+            src,
+            out,
+            image_root,
+            overwrite=overwrite,
+            on_item=counter.add,
+            on_total=counter.total,
+            shard=(index, count),
+            workers=workers or usable_cpus(),
+        )
     _report_conversion(out, report.samples, report.failures, report.seconds, report.kept)
     console.print(
-        f"unrated frames dropped: {sum(report.unrated.values())}; answers derived from the future: "
+        f"val/test frames kept without raters: {sum(report.unrated.values())}; answers derived from the future: "
         f"{report.answers_derived}"
     )
     if report.failures:
         raise typer.Exit(1)
+
+
+def _shard(text: str) -> tuple[int, int]:
+    """`--shard I/N` as (I, N); a DatasetError naming the value unless 0 <= I < N."""
+    from fastddrive.data.dataset import DatasetError
+
+    match = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    if match is None or not int(match[1]) < int(match[2]):
+        raise DatasetError(f"--shard must be I/N with 0 <= I < N, got {text!r}")
+    return int(match[1]), int(match[2])
 
 
 @data_app.command("nuscenes")

@@ -64,10 +64,10 @@ class DrivingSample:
 
     image: (H, W, 3) uint8 of any size (the model's processor resizes it). history: (7, 6) at t = -3.0..0.0 s every
     0.5 s, columns x, y [m], vx, vy [m/s], ax, ay [m/s^2]. future: (20, 2) expert positions [m] at
-    `future_time_s` (0.25..5.0 s). agents: other vehicles' (N, 21, 3) x, y [m], heading [rad] at
-    t = 0..5 s every 0.25 s (NaN where a vehicle has left the scene); agent_size: (N, 2) length,
-    width [m]. rater_trajectories: (R, 20, 2) alternative futures [m] at the times of `future`, R in 0..3;
-    rater_scores: (R,) their scores in [0, 10] (none by default: training samples need no raters).
+    `future_time_s` (0.25..5.0 s), all NaN where unknown (`has_future`). agents: other vehicles' (N, 21, 3)
+    x, y [m], heading [rad] at t = 0..5 s every 0.25 s (NaN where a vehicle has left the scene); agent_size:
+    (N, 2) length, width [m]. rater_trajectories: (R, 20, 2) alternative futures [m] at the times of `future`,
+    R in 0..3; rater_scores: (R,) their scores in [0, 10] (none by default: training samples need no raters).
     """
 
     sample_id: str
@@ -87,12 +87,21 @@ class DrivingSample:
     rater_trajectories: np.ndarray = field(default_factory=lambda: np.zeros((0, FUTURE_STEPS, 2)))
     rater_scores: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
+    @property
+    def has_future(self) -> bool:
+        """Whether the expert's future is known: a WOD-E2E test frame has none (its `future` all NaN, its
+        `response` derived from nothing but the scaffold's defaults); metrics of the future skip it."""
+        return not np.isnan(self.future).all()
+
     def __post_init__(self) -> None:
         check_image(self.image)
         check_history(self.history)
         check_command(self.command)
-        if self.future.shape != (FUTURE_STEPS, 2) or not np.isfinite(self.future).all():
-            raise SampleError(f"future must be {FUTURE_STEPS} finite [x, y] points, got shape {self.future.shape}")
+        if self.future.shape != (FUTURE_STEPS, 2) or not (np.isfinite(self.future).all() or not self.has_future):
+            raise SampleError(
+                f"future must be {FUTURE_STEPS} finite [x, y] points (all NaN for a frame without one), got shape "
+                f"{self.future.shape}"
+            )
         # Stored as float arrays whatever sequence was given, so that rows and metrics can rely on it.
         object.__setattr__(self, "rater_trajectories", np.asarray(self.rater_trajectories, dtype=np.float64))
         object.__setattr__(self, "rater_scores", np.asarray(self.rater_scores, dtype=np.float64))

@@ -131,14 +131,16 @@ def from_row(row: dict[str, Any]) -> DrivingSample:
 
 
 def check_row_numbers(row: dict[str, Any]) -> None:
-    """Raise SampleError unless a stored row's history and future are finite arrays of their shapes: what a
-    reader that does not build the sample (training batches) must check, since a shard's checksum only says
-    that the row is what was written."""
+    """Raise SampleError unless a stored row's history and future are finite arrays of their shapes (a frame without
+    a future is refused, named as such): what a reader that does not build the sample (training batches) must
+    check, since a shard's checksum only says that the row is what was written."""
     history = np.asarray(row["history"], dtype=np.float64)
     if history.size != HISTORY_STEPS * len(HISTORY_COLUMNS):
         raise SampleError(f"history holds {history.size} numbers, not {HISTORY_STEPS} rows of {len(HISTORY_COLUMNS)}")
     check_history(history.reshape(HISTORY_STEPS, len(HISTORY_COLUMNS)))
     future = np.asarray(row["future"], dtype=np.float64)
+    if future.size == FUTURE_STEPS * 2 and np.isnan(future).all():
+        raise SampleError("it has no logged future (a WOD-E2E test frame): there is nothing to train it on")
     if future.size != FUTURE_STEPS * 2 or not np.isfinite(future).all():
         raise SampleError(f"future must be {FUTURE_STEPS} finite [x, y] points ({future.size} numbers given)")
 

@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageDraw
 from scipy.spatial.transform import Rotation
 
 from fastddrive.core.outputs import check_folder_destination
@@ -213,6 +213,43 @@ def nuscenes_command(lateral_3s_m: float) -> str:
     if lateral_3s_m >= COMMAND_OFFSET_M:
         return "go_left"
     return "go_straight"
+
+
+DRAWN_GROUND_RGB = (96, 96, 96)
+
+
+def _drawn_top_view(sample: DrivingSample, key: int, ego0: _Rigid, ego: _Rigid) -> np.ndarray:
+    """The export's CAM_FRONT at key frame `key` (0 = t = 0, negative in the history) where the simulator kept no
+    frame: the ground, the ego box, and every agent box known at that key frame (agents are known from t = 0 on),
+    each drawn where the top-view camera above the ego at that time sees it (`sample.view`'s projection)."""
+    view = sample.view
+    height, width = sample.image.shape[:2]
+    c, s = math.cos(view.ego_heading_rad), math.sin(view.ego_heading_rad)
+
+    def pixels(corners_m: np.ndarray) -> list[tuple[float, float]]:
+        u = view.ego_pixel[0] + view.pixels_per_metre * (c * corners_m[:, 0] + s * corners_m[:, 1])
+        v = view.ego_pixel[1] + view.pixels_per_metre * (s * corners_m[:, 0] - c * corners_m[:, 1])
+        return list(zip(u.tolist(), v.tolist(), strict=True))
+
+    def box(x: float, y: float, heading: float, length: float, width_m: float) -> np.ndarray:
+        half = np.array([[1, 1], [1, -1], [-1, -1], [-1, 1]]) * [length / 2, width_m / 2]
+        turn = np.array([[math.cos(heading), -math.sin(heading)], [math.sin(heading), math.cos(heading)]])
+        return half @ turn.T + [x, y]
+
+    canvas = Image.new("RGB", (width, height), DRAWN_GROUND_RGB)
+    draw = ImageDraw.Draw(canvas)
+    draw.polygon(pixels(box(0.0, 0.0, 0.0, *sample.ego_size)), fill=(40, 160, 40))
+    if key >= 0:
+        for path, (length, width_m) in zip(sample.agents, sample.agent_size, strict=True):
+            x, y, heading = path[2 * key]
+            if not np.isfinite([x, y, heading]).all():
+                continue
+            placed = ego0.then(_Rigid(_rz(heading), np.array([x, y, 0.0])))
+            local = ego.local(placed.translation)
+            draw.polygon(
+                pixels(box(local[0], local[1], ego.heading(placed.rotation), length, width_m)), fill=(40, 80, 200)
+            )
+    return np.asarray(canvas)
 
 
 class _Tables:
@@ -906,7 +943,8 @@ class _Exporter:
                 prev=lidar[n - 1] if n else "",
                 next=lidar[n + 1] if n + 1 < len(poses) else "",
             )
-        self._camera(sample, name, tok, samples[HISTORY_KEYFRAMES], world, t0)
+        key_egos = [ego for ego, pose in zip(ego_frames, poses, strict=True) if pose[5]]
+        self._cameras(sample, name, tok, samples, [p[0] for p in keys], key_egos)
         self._annotations(sample, tok, samples, world)
         self._can_bus(sample, name, poses[:HISTORY_STEPS], ego_frames[:HISTORY_STEPS], world)
         log = tok("log")
@@ -973,9 +1011,19 @@ class _Exporter:
             }
         )
 
-    def _camera(self, sample: DrivingSample, name: str, tok: Callable[..., str], key: str, world: _Rigid, t0: int):
-        """The frame as CAM_FRONT: a camera TOP_VIEW_HEIGHT_M straight above the ego looking down, image x along the
-        view's heading, so that it projects the ground as `sample.view` does."""
+    def _cameras(
+        self,
+        sample: DrivingSample,
+        name: str,
+        tok: Callable[..., str],
+        samples: list[str],
+        stamps: list[int],
+        egos: list[_Rigid],
+    ) -> None:
+        """CAM_FRONT at every key frame, as the devkit expects of every sample: a camera TOP_VIEW_HEIGHT_M straight
+        above the ego looking down, image x along the view's heading, so that it projects the ground as
+        `sample.view` does. At t = 0 its image is the sample's frame; the simulator keeps no frame of the other
+        key frames, so theirs is a drawing of what is known there (the ego, and the agents after t = 0)."""
         view = sample.view
         heading = view.ego_heading_rad
         axes = np.array([[math.cos(heading), math.sin(heading), 0.0], [math.sin(heading), -math.cos(heading), 0.0]])
@@ -984,13 +1032,30 @@ class _Exporter:
         intrinsic = [[focal, 0.0, view.ego_pixel[0]], [0.0, focal, view.ego_pixel[1]], [0.0, 0.0, 1.0]]
         mount = _Rigid(rotation, np.array([0.0, 0.0, TOP_VIEW_HEIGHT_M]))
         calibration = self._calibration(tok("calibration", FRONT), FRONT, mount, intrinsic)
-        filename = f"samples/{FRONT}/{name}__{FRONT}__{t0}.jpg"
-        jpeg = io.BytesIO()
-        Image.fromarray(sample.image).save(jpeg, format="JPEG", quality=JPEG_QUALITY, subsampling=0)
-        self._write(filename, jpeg.getvalue())
-        ego_pose = self._ego_pose(tok("ego_pose", FRONT), world, t0)
         height, width = sample.image.shape[:2]
-        self._sample_data(tok(FRONT), key, ego_pose, calibration, filename, t0, True, (width, height))
+        tokens = [tok(FRONT) if j == HISTORY_KEYFRAMES else tok(FRONT, j) for j in range(len(samples))]
+        for j, (stamp, ego) in enumerate(zip(stamps, egos, strict=True)):
+            drawn = j != HISTORY_KEYFRAMES
+            image = (
+                _drawn_top_view(sample, j - HISTORY_KEYFRAMES, egos[HISTORY_KEYFRAMES], ego) if drawn else sample.image
+            )
+            filename = f"samples/{FRONT}/{name}__{FRONT}__{stamp}.jpg"
+            jpeg = io.BytesIO()
+            Image.fromarray(image).save(jpeg, format="JPEG", quality=JPEG_QUALITY, subsampling=0)
+            self._write(filename, jpeg.getvalue())
+            ego_pose = self._ego_pose(tok("ego_pose", FRONT, j), ego, stamp)
+            self._sample_data(
+                tokens[j],
+                samples[j],
+                ego_pose,
+                calibration,
+                filename,
+                stamp,
+                True,
+                (width, height),
+                prev=tokens[j - 1] if j else "",
+                next=tokens[j + 1] if j + 1 < len(tokens) else "",
+            )
 
     def _annotations(self, sample: DrivingSample, tok: Callable[..., str], samples: list[str], world: _Rigid) -> None:
         """Every agent as an instance, annotated at the key frames (even indices) where it is present."""

@@ -71,6 +71,7 @@ from typing import Any, Literal
 import numpy as np
 from PIL import Image
 
+from fastddrive.core.inputs import image_from_bytes
 from fastddrive.core.outputs import check_folder_destination, is_temporary, write_bytes
 from fastddrive.core.release_prompt import HISTORY_LABELS as _HISTORY_LABELS
 from fastddrive.core.release_prompt import INTENTS, prompt_text
@@ -133,7 +134,8 @@ class RecordError(ValueError):
 
 @dataclass(frozen=True)
 class RecordOutcome:
-    """What became of one record: a sample, an unrated frame dropped, or the error that stopped it.
+    """What became of one record: a sample (`unrated`: a val/test frame without raters, kept), or the error that
+    stopped it.
 
     `record_id` is the record's sample_id (`#<index>` when it has none; empty for a whole-file error).
     """
@@ -154,7 +156,7 @@ class RecordOutcome:
 @dataclass(frozen=True)
 class ConversionReport:
     samples: dict[str, int]  # per split
-    unrated: dict[str, int]  # unrated frames dropped, per split
+    unrated: dict[str, int]  # val/test frames kept without raters (the official evaluator skips them), per split
     answers_derived: int
     failures: list[RecordOutcome]
     seconds: float
@@ -314,12 +316,10 @@ def _future(record: dict[str, Any], frame: WodFrame | None) -> np.ndarray:
 
 def _sample(
     record: dict[str, Any], split: str, root: Path, max_pixels: int, frames: Frames | None
-) -> tuple[DrivingSample | None, bool]:
-    """The record as a sample (None for an unrated frame that `split` drops) and whether its answer is derived."""
+) -> tuple[DrivingSample, bool]:
+    """The record as a sample (an unrated frame without raters) and whether its answer is derived."""
     frame = (frames or {}).get(str(record["sample_id"]))
     raters = _raters(record, frame, frames is not None)
-    if raters is None and split in RATER_SPLITS:
-        return None, False
     prompt, answer = _conversation(record)
     command = record["navigation_command"]
     if command not in _COMMANDS:
@@ -328,23 +328,42 @@ def _sample(
     if len(future) != FUTURE_STEPS:
         raise RecordError(f"'future waypoints' must be {FUTURE_STEPS} points at 4 Hz, got {len(future)}")
     response, derived = _answer(answer, future)
-    trajectories, scores = raters if raters is not None else (np.zeros((0, FUTURE_STEPS, 2)), np.zeros(0))
-    sample = DrivingSample(
-        sample_id=str(record["sample_id"]),
+    image = _image(record["image"], root, max_pixels)
+    time_s = float(record.get("timestamp_micros", 0)) / 1e6
+    sample = _wod_sample(str(record["sample_id"]), time_s, image, _history(record, prompt), command, future, response)
+    return _with_raters(sample, raters), derived
+
+
+def _wod_sample(
+    sample_id: str,
+    time_s: float,
+    image: np.ndarray,
+    history: np.ndarray,
+    intent: str,
+    future: np.ndarray,
+    response: DrivingResponse,
+) -> DrivingSample:
+    """A WOD-E2E frame as a sample (module doc: the fields with no WOD-E2E counterpart); no raters yet."""
+    return DrivingSample(
+        sample_id=sample_id,
         scenario=SOURCE,
         episode_seed=0,
-        time_s=float(record.get("timestamp_micros", 0)) / 1e6,
-        image=_image(record["image"], root, max_pixels),
-        history=_history(record, prompt),
-        command=_COMMANDS[command],
+        time_s=time_s,
+        image=image,
+        history=history,
+        command=_COMMANDS[intent],
         future=future,
         future_time_s=_FUTURE_TIME_S,
         response=response,
         view=_NO_VIEW,
-        rater_trajectories=trajectories,
-        rater_scores=scores,
     )
-    return sample, derived
+
+
+def _with_raters(sample: DrivingSample, raters: tuple[np.ndarray, np.ndarray] | None) -> DrivingSample:
+    """The sample with the rater futures and scores (`_raters`; None: an unrated frame, kept without them)."""
+    if raters is None:
+        return sample
+    return replace(sample, rater_trajectories=raters[0], rater_scores=raters[1])
 
 
 def _outcome(
@@ -359,7 +378,61 @@ def _outcome(
         return RecordOutcome(path, record_id, split, error=f"missing field {err}")
     except (ValueError, TypeError, OSError) as err:  # a malformed record is reported, the others go on
         return RecordOutcome(path, record_id, split, error=f"{type(err).__name__}: {err}")
-    return RecordOutcome(path, record_id, split, sample, answer_derived=derived, unrated=sample is None)
+    unrated = split in RATER_SPLITS and not len(sample.rater_scores)
+    return RecordOutcome(path, record_id, split, sample, answer_derived=derived, unrated=unrated)
+
+
+def _raw_sample(frame: WodFrame, split: str, max_pixels: int) -> tuple[DrivingSample, bool]:
+    """A raw E2EDFrame as a sample: the three front cameras found by name and joined, the history from rows 3, 5,
+    ..., 15 of `past_states`, the command from `intent`, the logged future (a test frame has none: all NaN), the
+    raters; its answer derived from the future (as for a record without one)."""
+    missing = [c for c in CAMERAS if c not in frame.images]
+    if missing:
+        held = ", ".join(sorted(frame.images)) or "none"
+        raise RecordError(f"camera {missing[0]} has no image in the frame (it holds: {held})")
+    cameras = [image_from_bytes(frame.images[c]) for c in CAMERAS]
+    if frame.past is None or len(frame.past) != PAST_STATES_4HZ:
+        got = 0 if frame.past is None else len(frame.past)
+        raise RecordError(f"past_states must hold {PAST_STATES_4HZ} states at 4 Hz (t = -3.75..0 s), got {got}")
+    future = frame.future
+    if future is None and split == "train":
+        raise RecordError("a training frame needs future_states (the expert's future it is trained on)")
+    if future is not None and len(future) != FUTURE_STEPS:
+        raise RecordError(f"future_states must be {FUTURE_STEPS} points at 4 Hz, got {len(future)}")
+    response, derived = _answer("", np.zeros((FUTURE_STEPS, 2)) if future is None else future)
+    image, history = join_cameras(cameras, max_pixels), frame.past[list(HISTORY_ROWS_4HZ)]
+    logged = np.full((FUTURE_STEPS, 2), np.nan) if future is None else future
+    sample = _wod_sample(frame.name, frame.timestamp_micros / 1e6, image, history, frame.intent, logged, response)
+    return _with_raters(sample, _raters({}, frame, has_tfrecords=True)), derived
+
+
+def _raw_outcomes(tfrecords: list[Path], max_pixels: int) -> Iterator[RecordOutcome]:
+    """Every frame of raw WOD-E2E TFRecord files as an outcome, file after file, streamed (one frame in memory)."""
+    for path in tfrecords:
+        yield from raw_file_outcomes(path, max_pixels)
+
+
+def raw_file_outcomes(path: Path, max_pixels: int) -> Iterator[RecordOutcome]:
+    """Every frame of one raw WOD-E2E TFRecord file as an outcome (a corrupt record by index and byte offset)."""
+    split = split_of(path)
+    if split is None:
+        yield RecordOutcome(path, "", "", error="its name tells no split: name it training, validation or test")
+        return
+    try:
+        for index, frame in enumerate(read_frames(path)):
+            if isinstance(frame, CorruptRecord):
+                where = f"#{frame.index}" + (f" at byte {frame.offset}" if frame.offset is not None else "")
+                yield RecordOutcome(path, where, split, error=frame.reason)
+                continue
+            try:
+                sample, derived = _raw_sample(frame, split, max_pixels)
+            except (ValueError, OSError) as err:  # a malformed frame is reported, the others go on
+                yield RecordOutcome(path, frame.name or f"#{index}", split, error=f"{type(err).__name__}: {err}")
+                continue
+            unrated = split in RATER_SPLITS and not len(sample.rater_scores)
+            yield RecordOutcome(path, frame.name, split, sample, answer_derived=derived, unrated=unrated)
+    except OSError as err:
+        yield RecordOutcome(path, "", split, error=f"not readable: {err}")
 
 
 def _read_frames(paths: list[Path], split: str) -> tuple[Frames | None, list[RecordOutcome]]:
@@ -407,21 +480,36 @@ def _outcomes(files: list[Path], tfrecords: list[Path], root: Path, max_pixels: 
             yield _outcome(path, index, record, split, root, max_pixels, frames[split])
 
 
-def read_wod_e2e(
-    src: str | Path, image_root: str | Path | None = None, max_pixels: int = RELEASE_MAX_PIXELS
-) -> Iterator[RecordOutcome]:
-    """Every record of the release JSON files in `src` (images relative to `image_root`, default `src`), lazily,
-    with the raters of the TFRecord files in `src`.
+def raw_tfrecords(src: Path) -> list[Path]:
+    """The TFRecord files of a folder, sorted (hidden files are an interrupted export's temporary files)."""
+    return sorted(p for p in src.glob(TFRECORD_PATTERN) if not p.name.startswith(".")) if src.is_dir() else []
 
-    Raises FileNotFoundError at once when `src` holds no JSON file; everything after is reported per record
-    (a TFRecord record that cannot be read, by its index `#k`).
+
+def read_wod_e2e(
+    src: str | Path,
+    image_root: str | Path | None = None,
+    max_pixels: int = RELEASE_MAX_PIXELS,
+    shard: tuple[int, int] = (0, 1),
+) -> Iterator[RecordOutcome]:
+    """Every record of `src`, lazily: the release JSON files (images relative to `image_root`, default `src`) with
+    the raters of the TFRecord files beside them; or, where `src` holds TFRecords and no JSON, the raw WOD-E2E
+    frames themselves (`_raw_sample`). `shard` (i, n) takes every n-th raw file from the i-th, so that n
+    machines split one folder.
+
+    Raises FileNotFoundError at once when `src` holds neither; everything after is reported per record (a
+    TFRecord record that cannot be read, by its index `#k` and byte offset).
     """
     src = Path(src)
     files = sorted(src.glob("*.json")) if src.is_dir() else []
+    tfrecords = raw_tfrecords(src)
+    if not files and not tfrecords:
+        raise FileNotFoundError(
+            f"{src} holds no release JSON files (training.json, validation.json, test.json) and no WOD-E2E "
+            "TFRecord files (training.tfrecord-*, validation.tfrecord-*, test.tfrecord-*)"
+        )
     if not files:
-        raise FileNotFoundError(f"{src} holds no release JSON files (training.json, validation.json, test.json)")
-    # Hidden files are an interrupted export's temporary files.
-    tfrecords = sorted(p for p in src.glob(TFRECORD_PATTERN) if not p.name.startswith("."))
+        index, count = shard
+        return _raw_outcomes(tfrecords[index::count], max_pixels)
     return _outcomes(files, tfrecords, Path(image_root) if image_root is not None else src, max_pixels)
 
 
@@ -455,9 +543,15 @@ def convert_wod_e2e(
     max_pixels: int = RELEASE_MAX_PIXELS,
     shard_size: int = SHARD_SIZE,
     overwrite: bool = False,
-    on_item: Callable[[], None] | None = None,
+    on_item: Callable[[int], None] | None = None,
+    shard: tuple[int, int] = (0, 1),
+    workers: int = 1,
+    on_total: Callable[[int], None] | None = None,
 ) -> ConversionReport:
-    """Convert the release files in `src` into a dataset in `out`; `on_item()` is called once per record.
+    """Convert the release files, or the raw TFRecords, in `src` into a dataset in `out` (`read_wod_e2e`; raw
+    records go file by file in `workers` processes, resumably: `data.wod_raw`; `shard` (i, n): this machine's
+    share of the raw files); `on_item(n)` is called as n more records are done, `on_total(n)` (raw records) once
+    they are counted.
 
     Shards are `<split>/<file>-<k>.parquet`; the manifest is marked complete only when no record failed. `out` is
     checked first (not inside `src` or the image root, ...); the dataset is built beside it and takes its place
@@ -467,12 +561,21 @@ def convert_wod_e2e(
     src, out = Path(src), Path(out)
     root = Path(image_root) if image_root is not None else src
     check_folder_destination(out, "--out", inputs=(src, root), owned=(out,))
-    outcomes = read_wod_e2e(src, root, max_pixels)
+    index, count = shard
+    if not 0 <= index < count:
+        raise ValueError(f"shard {index}/{count}: need 0 <= I < N")
+    if src.is_dir() and not any(src.glob("*.json")) and raw_tfrecords(src):
+        from fastddrive.data.wod_raw import convert_raw_wod_e2e  # raw records: file by file, resumably
+
+        check_folder_destination(out, "--out", inputs=(src,), owned=(out,))
+        return convert_raw_wod_e2e(src, out, max_pixels, shard, workers, shard_size, overwrite, on_item, on_total)
+    outcomes = read_wod_e2e(src, root, max_pixels, shard)
     settings = {
         "source": SOURCE,
         "src": str(src.resolve()),
         "image_root": str(root.resolve()),
         "max_pixels": max_pixels,
+        **({"shard": f"{index}/{count}"} if count > 1 else {}),
     }
     prepare_output(out, settings, overwrite)
     complete_before = holds_complete_dataset(out)
@@ -494,18 +597,17 @@ def convert_wod_e2e(
                 key = (outcome.split, re.sub(r"[^\w.-]", "_", outcome.file.stem))
                 pending.setdefault(key, []).append(outcome.sample)
                 samples[outcome.split] += 1
+                unrated[outcome.split] += outcome.unrated
                 derived += outcome.answer_derived
                 if len(pending[key]) >= shard_size:
                     flush(key)
-            elif outcome.unrated:
-                unrated[outcome.split] += 1
             else:
                 failures.append(outcome)
             if on_item:
-                on_item()
+                on_item(1)
         for key in list(pending):
             flush(key)
-        counts = {"samples": samples, "unrated_dropped": unrated, "answers_derived": derived, "failed": len(failures)}
+        counts = {"samples": samples, "unrated_kept": unrated, "answers_derived": derived, "failed": len(failures)}
         write_manifest(folder, settings, complete=not failures, counts=counts)
         return ConversionReport(samples, unrated, derived, failures, time.perf_counter() - start)
 

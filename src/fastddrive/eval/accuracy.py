@@ -132,7 +132,9 @@ def _plan_collisions(dense_m: np.ndarray, sample: DrivingSample, method: str) ->
 
 
 def _score(dense_m: np.ndarray, sample: DrivingSample) -> dict[str, Any]:
-    """Every per-sample figure of one 4 Hz (20, 2) plan."""
+    """Every per-sample figure of one 4 Hz (20, 2) plan (none of the future's for a frame without one)."""
+    if not sample.has_future:
+        return {}
     scores: dict[str, Any] = {
         "ade3_m": ade_m(dense_m, sample.future, STEPS_3S),
         "ade5_m": ade_m(dense_m, sample.future),
@@ -236,7 +238,9 @@ def answer_samples(
         constant = constant_velocity_m(sample.history)
         row: dict[str, object] = {"sample_id": sample.sample_id, "scenario": sample.scenario, "valid": None}
         row |= {"rated": bool(len(sample.rater_scores)), "scored": False, "ade3_m": None, "ade5_m": None}
-        row |= {"cv_ade3_m": ade_m(constant, sample.future, STEPS_3S), "cv_ade5_m": ade_m(constant, sample.future)}
+        row |= {"has_future": sample.has_future, "cv_ade3_m": None, "cv_ade5_m": None}
+        if sample.has_future:
+            row |= {"cv_ade3_m": ade_m(constant, sample.future, STEPS_3S), "cv_ade5_m": ade_m(constant, sample.future)}
         try:
             response = planner.plan(sample, decoder, **(options or {})).response
         except DecoderError:
@@ -259,7 +263,7 @@ def answer_samples(
 def summarise(decoder: str, outcomes: list[SampleOutcome]) -> AccuracyReport:
     """The split's figures from its samples' outcomes, in the official conventions (module doc)."""
     rows = [o.row for o in outcomes]
-    done = [o for o in outcomes if o.scores is not None]
+    done = [o for o in outcomes if o.scores]  # planned, with a future to score against
     parsed_answers = [o for o in done if o.response is not None]
     predicted = [o.response for o in parsed_answers]
     truth = [o.truth for o in parsed_answers]
