@@ -1,6 +1,6 @@
-"""`fastddrive eval` under `accelerate launch --cpu --num_processes 2`: each process a share of the split, the
-merged per-sample results equal to one process's, a sample that does not read reported once with its shard,
-the table printed once."""
+"""`fastddrive eval` under `accelerate launch --multi_gpu --num_processes 2` (two gloo processes on this CPU): each
+process a share of the split, the merged per-sample results equal to one process's, a sample that does not read
+reported once with its shard, the table printed once."""
 
 import json
 import os
@@ -40,7 +40,7 @@ def test_two_processes_give_the_per_sample_results_of_one(tmp_path, embedded):
     build_dataset(data, 2, 5, ["merge"])
     shard, bad = _damage_history(data, 1)  # in the first process's share
     out = tmp_path / "two.json"
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
     launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     launch += ["--main_process_port", str(free_port())]
     command = ["-m", "fastddrive.cli", "eval", "--data", str(data), "--limit", "3", "--decoders", "ss"]

@@ -1,19 +1,23 @@
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from fastddrive.cli import app
 from fastddrive.core.scaffold import Scaffold
 from fastddrive.core.schema import SECTIONS
 from fastddrive.core.tokenizer import MissingDiffusionTokens, corpus_texts, train_tokenizer
 from fastddrive.data.build import build_dataset
 from fastddrive.data.dataset import DrivingDataset
-from fastddrive.engine.model_files import load_model, tiny_image_processor, tiny_qwen2_5_vl
+from fastddrive.engine.model_files import load_model, save_model, tiny_image_processor, tiny_qwen2_5_vl
+from fastddrive.serve.loadtest import free_port
 from fastddrive.train.checkpoint import list_checkpoints, validate_checkpoint
 from fastddrive.train.collate import IGNORE, DualStreamCollator
 from fastddrive.train.config import ConfigError, load_config
@@ -102,7 +106,12 @@ def test_the_3b_recipe_runs_two_steps_on_a_shrunk_random_model(data, tmp_path, c
         steps=2,
         **{**QUICK, "batch_size": 2},
     )
-    assert config.dtype == "bfloat16" and config.lr == 1e-5 and config.block_size == 32
+    assert (
+        config.mixed_precision == "bf16"
+        and config.final_dtype == "bfloat16"
+        and config.lr == 1e-5
+        and config.block_size == 32
+    )
     report = _loss_falls(config, data)
     assert "resizing embeddings" in capsys.readouterr().out
     tuned = load_model(report.final)
@@ -247,39 +256,51 @@ def test_ar_loss_weights_follow_the_response_sections():
     assert torch.allclose(heavy, (per_token * expected).mean())
 
 
-@pytest.mark.slow
-def test_accelerate_launch_with_two_cpu_processes(data, tmp_path):
+TWO_RANKS = (
+    "init_from: scratch\nsteps: 2\nwarmup_steps: 1\nlr: 0.001\nvalidate_every: 1000\n"
+    "validation_samples: 1\ncheckpoint_every: 2\nanneal_block_size: false\n"
+    "architecture: {hidden_size: 64, layers: 2, heads: 4, kv_heads: 2, intermediate_size: 128,"
+    " vision_hidden_size: 32, vision_depth: 2, vision_heads: 2}\n"
+)
+
+
+@pytest.mark.parametrize("recipe", ["ar", "sasd"])  # AR answers differ in length: the token count matters
+def test_two_ranks_on_this_cpu_take_the_step_of_one_process_over_the_doubled_batch(data, tmp_path, recipe):
+    """`accelerate launch --multi_gpu --num_processes 2` (gloo ranks on a CPU): the ranks train on different
+    samples, and the parameters after two steps equal one process's over the doubled batch (the loss averaged
+    over the whole batch's tokens, the schedule stepped once per step)."""
     config = tmp_path / "two.yaml"
-    config.write_text(
-        f"name: two\nrecipe: ar\ninit_from: scratch\ndata: {data}\nout: {tmp_path / 'out'}\nsteps: 2\n"
-        "batch_size: 2\nwarmup_steps: 1\nvalidate_every: 1000\nvalidation_samples: 1\ncheckpoint_every: 2\n"
-        "architecture: {hidden_size: 64, layers: 2, heads: 4, kv_heads: 2, intermediate_size: 128,"
-        " vision_hidden_size: 32, vision_depth: 2, vision_heads: 2}\n"
-    )
-    launcher = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--cpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "-m",
-        "fastddrive.cli",
-        "train",
-        "--config",
-        str(config),
-    ]
+    config.write_text(f"name: two\nrecipe: {recipe}\ndata: {data}\nout: {tmp_path / 'two'}\nbatch_size: 2\n{TWO_RANKS}")
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    launcher += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    launcher += ["--main_process_port", str(free_port()), "-m", "fastddrive.cli", "train", "--config", str(config)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(launcher, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
-    assert [p.name for p in list_checkpoints(tmp_path / "out")] == ["checkpoint-000002"]
+    order = [json.loads(line) for line in (tmp_path / "two" / "data_order.jsonl").read_text().splitlines()]
+    assert [len(step["samples"]) for step in order] == [2, 2]  # world size 2
+    assert all(step["samples"][0] != step["samples"][1] for step in order)  # the ranks read different samples
+
+    one = tmp_path / "one.yaml"
+    one.write_text(f"name: one\nrecipe: {recipe}\ndata: {data}\nout: {tmp_path / 'one'}\nbatch_size: 4\n{TWO_RANKS}")
+    train(load_config(path=one), say=lambda _: None)
+    lines = (tmp_path / "one" / "data_order.jsonl").read_text().splitlines()
+    single = [json.loads(line)["samples"][0] for line in lines]
+    assert single == [step["samples"][0] + step["samples"][1] for step in order]  # the same samples, in one batch
+    from safetensors.torch import load_file
+
+    two_params = load_file(str(tmp_path / "two" / "final" / "model.safetensors"))
+    one_params = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
+    save_model(initial_model(load_config(path=one)), tmp_path / "initial")
+    initial = load_file(str(tmp_path / "initial" / "model.safetensors"))
+    assert two_params.keys() == one_params.keys()
+    moved = max(float((one_params[k] - initial[k]).norm() / initial[k].norm().clamp(min=1e-12)) for k in initial)
+    assert moved > 1e-3  # the two steps changed the weights: equal parameters are no coincidence
+    relative = [
+        float((two_params[k] - one_params[k]).norm() / one_params[k].norm().clamp(min=1e-12)) for k in one_params
+    ]
+    worst = max(relative)
+    assert worst < 1e-5, worst
 
 
 def test_each_section_is_masked_at_the_rate_of_its_own_beta_noise():
@@ -321,3 +342,78 @@ def test_a_run_whose_every_checkpoint_is_corrupt_starts_over_without_duplicate_l
             return [row["step"] for row in csv.DictReader(handle)]
 
     assert logged_steps("run") == logged_steps("whole")  # the first attempt's rows are gone, none is empty
+
+
+@pytest.mark.parametrize("preset", ["tiny-ar", "tiny-sasd"])
+def test_the_parts_of_a_split_batch_over_its_global_token_counts_sum_to_the_whole_batchs_loss(data, preset):
+    """What each data-parallel process computes (its sums over the whole batch's token counts) adds up to one
+    process's loss over the whole batch, whatever the processes' token counts (AR answers differ in length)."""
+    from fastddrive.train.collate import IGNORE
+    from fastddrive.train.loop import batch_loss, step_noise
+    from fastddrive.train.losses import TokenCounts
+
+    config = load_config(preset, architecture=SMALL, data=data, out="unused")
+    model = initial_model(config.model_copy(update={"init_from": "scratch"}))
+    collator = DualStreamCollator(
+        model, Scaffold(model.tokenizer, explanation_budget=config.explanation_budget), config
+    )
+    samples = list(DrivingDataset.open(data).samples("train"))[:4]
+    examples = [collator.example(s) for s in samples]
+
+    def loss(part: list, first: int, counts=None):
+        batch = collator(part, config.block_size, step_noise(config, 0, first, len(part)))
+        with torch.no_grad():
+            noisy, clean = model.dual_stream_logits(**batch.forward_inputs())
+        return batch_loss(noisy, clean, batch, config, counts), batch
+
+    whole, batch = loss(examples, 0)
+    counts = TokenCounts(int((batch.clean_labels != IGNORE).sum()), int((batch.noisy_labels != IGNORE).sum()))
+    halves = [loss(examples[:2], 0, counts)[0], loss(examples[2:], 2, counts)[0]]
+    assert torch.allclose(halves[0].total + halves[1].total, whole.total, rtol=1e-5)
+
+
+PEAK_SCRIPT = """
+import re
+from fastddrive.cli import main
+
+def kib(key):
+    return int(re.search(key + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
+
+# A child's peak resident set starts as its parent's (forked from pytest): reset it, then measure from here.
+with open("/proc/self/clear_refs", "w") as refs:
+    refs.write("5")
+base = kib("VmRSS")
+try:
+    main()
+finally:
+    print(f"PEAK_KIB {kib('VmHWM') - base}", flush=True)
+"""
+
+
+def test_the_3b_width_cut_preset_trains_in_bf16_with_checkpointing_within_its_memory_estimate(data, tmp_path):
+    """`qwen2.5-vl-3b-cut`: the 3B's widths cut to 2 layers and a 2-block vision tower, the real vocabulary,
+    bf16 with gradient checkpointing, 2 steps on this CPU; the final model is saved in bf16, and the peak memory
+    the run adds to the process is within 25% of the estimate it printed first."""
+    from safetensors import safe_open
+
+    out = tmp_path / "cut"
+    command = [sys.executable, "-c", PEAK_SCRIPT, "train", "--preset", "qwen2.5-vl-3b-cut", "--data", str(data)]
+    done = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    estimate = float(re.search(r"memory estimate per process: ([\d.]+) GiB", done.stdout).group(1)) * 2**30
+    peak = int(re.search(r"PEAK_KIB (\d+)", done.stdout).group(1)) * 1024
+    assert abs(peak - estimate) <= 0.25 * peak, (peak / 2**30, estimate / 2**30)
+    with safe_open(str(out / "final" / "model.safetensors"), "pt") as saved:
+        assert {saved.get_slice(k).get_dtype() for k in saved.keys()} == {"BF16"}  # noqa: SIM118
+    estimate_only = CliRunner().invoke(app, ["train", "--preset", "qwen2.5-vl-3b-cut", "--estimate-only", "--json"])
+    parts = json.loads(estimate_only.stdout)
+    assert parts["per_rank_bytes"] == sum(
+        parts[k] for k in ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "batch_bytes")
+    )
+    assert parts["model_parameters"] > 5e8  # 3B widths with the real vocabulary: the embedding alone is 311M
+    plain = CliRunner().invoke(
+        app,
+        ["train", "--preset", "qwen2.5-vl-3b-cut", "--estimate-only", "--json"],
+        env={"FASTDDRIVE_MEMORY_BUDGET": "1GiB"},
+    )
+    assert plain.exit_code == 0  # an estimate alone is never refused

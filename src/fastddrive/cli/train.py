@@ -35,11 +35,24 @@ def train_command(
             "was trained with; the changes are listed.",
         ),
     ] = False,
+    estimate_only: Annotated[
+        bool, typer.Option("--estimate-only", help="Print the memory estimate per process and stop.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="With --estimate-only: the estimate as JSON.")] = False,
+    ignore_memory_estimate: Annotated[
+        bool,
+        typer.Option(
+            "--ignore-memory-estimate", help="Train although the estimate exceeds the memory budget of the device."
+        ),
+    ] = False,
 ) -> None:
     """Train with the AR, SASD or Jacobi Forcing recipe; checkpoints are atomic and checksummed, --resume continues
-    exactly. Stops at the first non-finite loss (exit status 2), keeping the last checkpoint."""
+    exactly. Stops at the first non-finite loss (exit status 2), keeping the last checkpoint. The memory a process
+    will hold is estimated and printed first; a run over the device's budget is refused (exit status 2)."""
+    import json
+
     from fastddrive.train.config import load_config
-    from fastddrive.train.loop import train
+    from fastddrive.train.loop import train, training_memory
 
     with user_errors():
         settings = load_config(
@@ -50,6 +63,10 @@ def train_command(
             steps=steps,
             init_from=init_from,
         )
+        if estimate_only:
+            estimate = training_memory(settings)
+            console.print_json(json.dumps(estimate.to_json())) if as_json else console.print(estimate.line())
+            return
     progress = progress_bar()
     task = progress.add_task(settings.name, total=settings.steps, note="")
 
@@ -60,6 +77,11 @@ def train_command(
         noisy, clean = ("consistency", "AR") if settings.recipe == "jf" else ("noisy", "clean")
         note = f"loss {metrics['loss']:.3f} ({noisy} {metrics['noisy_loss']:.3f}, {clean} {metrics['clean_loss']:.3f}"
         note += f", labelled {metrics['labelled_loss']:.3f})" if "labelled_loss" in metrics else ")"
+        if "tokens_per_s" in metrics:
+            note += (
+                f" | {metrics['tokens_per_s']:.0f} tok/s, {metrics['samples_per_s']:.2f} samples/s, "
+                f"peak {metrics['peak_memory_gib']:.1f} GiB"
+            )
         if "val_ade5" in metrics:
             progress.console.print(
                 f"step {step}: val loss {metrics['val_loss']:.3f}, greedy-AR ADE@3s {metrics['val_ade3']:.2f} m, "
@@ -75,6 +97,7 @@ def train_command(
                 on_step=on_step,
                 say=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True),
                 allow_changes=resume_with_changes,
+                check_memory=not ignore_memory_estimate,
             )
     finally:
         progress.stop()

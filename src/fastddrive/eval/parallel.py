@@ -1,8 +1,9 @@
 """Data parallel across processes with accelerate: each process takes a contiguous share, the shares are
 gathered once, in process order, so that the merged list is the one a single process makes.
 
-Run any command that uses these under `accelerate launch --num_processes N` (add `--cpu` without GPUs); run
-plainly, there is one process and the share is everything.
+Run any command that uses these under `accelerate launch --multi_gpu --num_processes N` (on a machine without
+GPUs the processes talk over gloo; `--cpu --num_processes N` starts one process); run plainly, there is one
+process and the share is everything.
 """
 
 from __future__ import annotations
@@ -16,17 +17,24 @@ from accelerate.utils import gather_object
 T = TypeVar("T")
 
 
+def state() -> PartialState:
+    """The launch's processes; on a machine without GPUs, over gloo (a plain PartialState would see only itself)."""
+    import torch
+
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
 def share(items: Sequence[T]) -> list[T]:
     """This process's contiguous share of `items` (the first processes take one more when it does not divide)."""
-    with PartialState().split_between_processes(list(items)) as mine:
+    with state().split_between_processes(list(items)) as mine:
         return list(mine)
 
 
 def process_range(total: int) -> tuple[int, int, int]:
     """[start, stop) of this process's contiguous share of `total` items (as `share` cuts them), and its rank."""
-    state = PartialState()
-    size, extra = divmod(total, state.num_processes)
-    rank = state.process_index
+    launch = state()
+    size, extra = divmod(total, launch.num_processes)
+    rank = launch.process_index
     start = rank * size + min(rank, extra)
     return start, start + size + (rank < extra), rank
 
@@ -37,10 +45,10 @@ def gather(mine: list[T]) -> list[T]:
 
 
 def is_main_process() -> bool:
-    return PartialState().is_main_process
+    return state().is_main_process
 
 
 def device_of_process(device: str) -> str:
     """A bare 'cuda' under a multi-process launch means this process's own GPU."""
-    state = PartialState()
-    return str(state.device) if device == "cuda" and state.num_processes > 1 else device
+    launch = state()
+    return str(launch.device) if device == "cuda" and launch.num_processes > 1 else device

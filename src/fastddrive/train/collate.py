@@ -83,7 +83,12 @@ class DualStreamCollator:
             return Example(prompt, ids, np.ones(len(ids), dtype=bool), section)
         return Example(prompt, ids, self.scaffold.is_value.copy(), self.scaffold.section_index.copy())
 
-    def __call__(self, examples: list[Example], block_size: int, rng: np.random.Generator) -> Batch:
+    def __call__(
+        self, examples: list[Example], block_size: int, rng: np.random.Generator | list[np.random.Generator]
+    ) -> Batch:
+        """The dual-stream batch; `rng` draws the noise, one generator for the batch or one per example (a
+        data-parallel step keys each example's by its place in the step's global batch, so that how the batch
+        is split between processes changes no mask)."""
         batch = len(examples)
         prompt_lengths = [e.prompt.input_ids.shape[1] for e in examples]
         clean_lengths = [p + len(e.response) for p, e in zip(prompt_lengths, examples, strict=True)]
@@ -113,8 +118,9 @@ class DualStreamCollator:
             for block in blocks:
                 first_of_block[block.start] = True
                 starts[block.start : block.end] = block.start
-            rate = section_rates(rng, self.config.section_noise)[example.section]
-            masks = complementary_masks(example.is_value & ~first_of_block, rate, rng)
+            draw = rng[b] if isinstance(rng, list) else rng
+            rate = section_rates(draw, self.config.section_noise)[example.section]
+            masks = complementary_masks(example.is_value & ~first_of_block, rate, draw)
             for copy, mask in enumerate(masks):
                 noisy = response.clone()
                 noisy[torch.as_tensor(mask)] = self.scaffold.mask_id

@@ -63,7 +63,13 @@ class TrainConfig(BaseModel):
 
     name: str
     recipe: Literal["ar", "sasd", "jf"]
-    init_from: str = Field(description="'scratch', 'embedded:NAME', or a local checkpoint folder")
+    init_from: str = Field(
+        description="'scratch', 'embedded:NAME', 'random:PRESET' (a shipped architecture with random weights, cut by "
+        "`random_shrink`), or a local checkpoint folder"
+    )
+    # For init_from random:PRESET: config.json keys overriding the architecture's (vision keys under
+    # "vision_config"), e.g. {"num_hidden_layers": 2, "vision_config": {"depth": 2}}.
+    random_shrink: dict[str, Any] = {}
     data: str = "runs/sim"
     out: str = "runs/model"
     architecture: TinyArchitecture = TinyArchitecture()
@@ -76,7 +82,14 @@ class TrainConfig(BaseModel):
     warmup_steps: int = Field(default=100, ge=0, le=MAX_STEPS)
     weight_decay: float = Field(default=0.01, ge=0, le=1, allow_inf_nan=False)
     grad_clip: float = Field(default=1.0, gt=0, le=1e6, allow_inf_nan=False)
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    # Precision and memory (issue 36): bf16 compute over float32 master weights and optimizer states (accelerate's
+    # mixed precision); transformers' own non-reentrant gradient checkpointing of the language model and the
+    # vision tower; the vision tower frozen; the final model's dtype (default: bf16 for a bf16 run). Checkpoints
+    # keep the float32 master weights, so that a resumed run is exact.
+    mixed_precision: Literal["no", "bf16"] = "no"
+    gradient_checkpointing: bool = False
+    freeze_vision: bool = False
+    save_dtype: Literal["float32", "bfloat16"] | None = None
     block_size: int = Field(default=32, ge=2, le=1024)
     anneal_block_size: bool = True
     alpha: LossWeight = 0.5
@@ -153,6 +166,21 @@ class TrainConfig(BaseModel):
         if high is not None:
             check_pixel_range(value, high, ("image_min_pixels", "image_max_pixels"))
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dtype_is_mixed_precision(cls, data: Any) -> Any:
+        """The key of earlier releases: `dtype: bfloat16` is `mixed_precision: bf16`."""
+        if isinstance(data, dict) and "dtype" in data and "mixed_precision" not in data:
+            data = dict(data)
+            dtype = data.pop("dtype")
+            data["mixed_precision"] = {"bfloat16": "bf16", "float32": "no"}.get(dtype, dtype)
+        return data
+
+    @property
+    def final_dtype(self) -> str:
+        """The dtype the final model is saved in: `save_dtype`, else bfloat16 for a bf16 run."""
+        return self.save_dtype or ("bfloat16" if self.mixed_precision == "bf16" else "float32")
 
     @field_validator("block_size")
     @classmethod

@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import math
+import resource
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 import transformers
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState
+from accelerate.state import AcceleratorState, PartialState
 from pydantic import ValidationError
 
 from fastddrive.core.memory import check_allocation
@@ -33,7 +34,6 @@ from fastddrive.data.dataset import DrivingDataset, check_row_numbers, from_row
 from fastddrive.engine.model import BlockDiffusionModel, CheckpointInfo
 from fastddrive.engine.model_files import (
     INFO_FILE,
-    check_model_folder,
     ensure_diffusion_tokens,
     load_model,
     model_path,
@@ -42,6 +42,7 @@ from fastddrive.engine.model_files import (
     tiny_image_processor,
     tiny_qwen2_5_vl,
 )
+from fastddrive.engine.random_init import random_init_model
 from fastddrive.train.checkpoint import (
     Checkpoint,
     latest_checkpoint,
@@ -51,10 +52,11 @@ from fastddrive.train.checkpoint import (
     save_checkpoint,
     scheduler_state,
 )
-from fastddrive.train.collate import Batch, DualStreamCollator
+from fastddrive.train.collate import IGNORE, Batch, DualStreamCollator
 from fastddrive.train.config import ConfigError, TrainConfig
 from fastddrive.train.jacobi_forcing import JacobiForcingBatch, JacobiForcingCollator, checked_trajectories
-from fastddrive.train.losses import LossParts, jacobi_forcing_loss, sasd_loss
+from fastddrive.train.losses import LossParts, TokenCounts, jacobi_forcing_loss, sasd_loss
+from fastddrive.train.memory_estimate import MemoryEstimate, estimate_training_memory, model_shape
 from fastddrive.train.noise import annealed_block_size
 from fastddrive.train.trajectories import TrajectorySet
 from fastddrive.train.validation import greedy_ar_ade
@@ -69,6 +71,9 @@ LOG_COLUMNS = (
     "lr",
     "block_size",
     "steps_per_s",
+    "samples_per_s",
+    "tokens_per_s",
+    "peak_memory_gib",
     "val_loss",
     "val_ade3",
     "val_ade5",
@@ -115,7 +120,12 @@ class TrainReport:
 def initial_model(config: TrainConfig) -> BlockDiffusionModel:
     """The starting point: a tiny Qwen2.5-VL from scratch, an embedded checkpoint, or a local folder."""
     path = _init_path(config)
-    if path is None:
+    if config.init_from.startswith("random:"):
+        wrapper = random_init_model(
+            config.init_from.split(":", 1)[1], dtype=torch.float32, shrink=config.random_shrink, seed=config.seed
+        )
+        wrapper.model.train()
+    elif path is None:
         tokenizer = load_tokenizer(default_tokenizer_path())
         model = tiny_qwen2_5_vl(tokenizer, **config.architecture.model_dump(), seed=config.seed)
         wrapper = BlockDiffusionModel(model, tokenizer, tiny_image_processor(config.image_max_pixels))
@@ -138,6 +148,26 @@ def initial_model(config: TrainConfig) -> BlockDiffusionModel:
     return wrapper
 
 
+def peak_memory_bytes(device: torch.device) -> int:
+    """The most memory this process has held: the GPU's allocations, or on the CPU the resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def prepare_memory(model: BlockDiffusionModel, config: TrainConfig) -> None:
+    """The config's memory settings on the model: transformers' non-reentrant gradient checkpointing (language
+    model and vision tower) and a frozen vision tower."""
+    if config.gradient_checkpointing:
+        non_reentrant = {"use_reentrant": False}
+        if hasattr(model.model, "activation_checkpointing_enable"):  # the newer transformers name
+            model.model.activation_checkpointing_enable(activation_checkpointing_kwargs=non_reentrant)
+        else:
+            model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=non_reentrant)
+    if config.freeze_vision and model.is_vision:
+        model.model.model.visual.requires_grad_(False)
+
+
 def continued_layout(config: TrainConfig, init: Path | None) -> TrainConfig:
     """The config with the answer layout of the folder it starts from where the config is silent: an imported
     official checkpoint goes on in the release layout with its 192-token explanation (fastddrive.json)."""
@@ -158,8 +188,10 @@ def continued_layout(config: TrainConfig, init: Path | None) -> TrainConfig:
         ) from None
 
 
-def batch_loss(noisy: torch.Tensor, clean: torch.Tensor, batch: Batch, config: TrainConfig) -> LossParts:
-    """The joint objective on one batch's dual-stream logits."""
+def batch_loss(
+    noisy: torch.Tensor, clean: torch.Tensor, batch: Batch, config: TrainConfig, counts: TokenCounts | None = None
+) -> LossParts:
+    """The joint objective on one batch's dual-stream logits (means over `counts` where given)."""
     return sasd_loss(
         noisy,
         clean,
@@ -169,6 +201,7 @@ def batch_loss(noisy: torch.Tensor, clean: torch.Tensor, batch: Batch, config: T
         config.alpha,
         config.beta,
         clean_weights=batch.clean_weights,
+        counts=counts,
     )
 
 
@@ -191,14 +224,35 @@ def samples_loss(
     collator: DualStreamCollator,
     samples: Sequence[DrivingSample],
     block: int,
-    rng: np.random.Generator,
+    rng: np.random.Generator | list[np.random.Generator],
     config: TrainConfig,
+    global_counts: Callable[[Batch], TokenCounts] | None = None,
 ) -> LossParts:
     """The collator's objective on `samples`' labelled answers: SASD's, or with the AR recipe's collator the
-    section-weighted causal LM loss (which the `jf` recipe adds with `labelled_ar_weight`)."""
+    section-weighted causal LM loss (which the `jf` recipe adds with `labelled_ar_weight`). `global_counts`
+    gives the token counts of the whole data-parallel batch to average over (`TokenCounts`)."""
     batch = collator([collator.example(s) for s in samples], block, rng)
     noisy, clean = model.dual_stream_logits(**batch.forward_inputs())
-    return batch_loss(noisy, clean, batch, config)
+    parts = batch_loss(noisy, clean, batch, config, global_counts(batch) if global_counts else None)
+    parts.tokens = int(batch.clean_lengths.sum()) + batch.noisy_ids.numel()
+    return parts
+
+
+def step_noise(config: TrainConfig, step: int, first: int, count: int) -> list[np.random.Generator]:
+    """The noise generators of a step's examples `first` .. `first + count - 1` of its global batch: keyed by
+    the example's place, so that one process over the batch draws what its shares draw on several."""
+    return [np.random.default_rng([config.seed, step, 1, first + k]) for k in range(count)]
+
+
+def global_token_counts(accelerator: Accelerator) -> Callable[[Batch], TokenCounts]:
+    """This process's batch's labelled tokens summed over every process (one all-reduce)."""
+
+    def counts(batch: Batch) -> TokenCounts:
+        local = [(batch.clean_labels != IGNORE).sum(), (batch.noisy_labels != IGNORE).sum()]
+        total = accelerator.reduce(torch.stack(local).to(accelerator.device), "sum")
+        return TokenCounts(int(total[0]), int(total[1]))
+
+    return counts
 
 
 def rank_picks(key: list[int], pool: int, config: TrainConfig, world: int, rank: int) -> np.ndarray:
@@ -253,6 +307,19 @@ def _truncate_log(out: Path, resumed_from: int) -> None:
     write_text(path, text.getvalue())
 
 
+DATA_ORDER_FILE = "data_order.jsonl"  # per step, the sample ids each process trained on
+
+
+def _record_data_order(out: Path, step: int, per_process: list[list[str]], resumed_from: int | None = None) -> None:
+    """Append a step's sample ids per process (or, with `resumed_from`, first drop the steps after it)."""
+    path = out / DATA_ORDER_FILE
+    if resumed_from is not None and path.is_file():
+        kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resumed_from]
+        write_text(path, "".join(f"{line}\n" for line in kept))
+    with path.open("a") as handle:
+        handle.write(json.dumps({"step": step, "samples": per_process}) + "\n")
+
+
 def _append_log(out: Path, row: dict[str, Any]) -> None:
     path = out / LOG_FILE
     new = not path.is_file()
@@ -265,7 +332,7 @@ def _append_log(out: Path, row: dict[str, Any]) -> None:
 
 def _init_path(config: TrainConfig) -> Path | None:
     """The model folder `init_from` names (None for 'scratch'), checked without loading it."""
-    if config.init_from == "scratch":
+    if config.init_from == "scratch" or config.init_from.startswith("random:"):
         return None
     if config.init_from.startswith("embedded:"):
         path = model_path(config.init_from.split(":", 1)[1])
@@ -362,40 +429,20 @@ def _check_resume(
     )
 
 
-def _model_sizes(config: TrainConfig, source: Path | None) -> tuple[int, int, int, int]:
-    """(vocabulary, width, layers, parameters built from scratch) of the model a run starts from, without
-    loading or building it: a folder is checked from its headers, a scratch model is built on the meta device."""
-    if source is not None:
-        folder = check_model_folder(source)
-        return folder.vocab_size, folder.hidden_size, folder.layers, 0
-    tokenizer = load_tokenizer(default_tokenizer_path())
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        model = tiny_qwen2_5_vl(tokenizer, **config.architecture.model_dump(), seed=config.seed)
-    parameters = sum(p.numel() for p in model.parameters())
-    return len(tokenizer), config.architecture.hidden_size, config.architecture.layers, parameters
+def training_memory(config: TrainConfig) -> MemoryEstimate:
+    """The memory estimate of a run (`train.memory_estimate`) for the processes of this launch."""
+    _init_path(config)  # a missing starting folder is named as such, before its config is read
+    processes = PartialState(cpu=not torch.cuda.is_available()).num_processes  # gloo on a machine without GPUs
+    return estimate_training_memory(config, model_shape(config), processes)
 
 
-def check_training_memory(config: TrainConfig, source: Path | None, device: torch.device) -> None:
-    """Refuse a run whose batch (or scratch model) cannot fit the memory budget, before anything is written.
-
-    A lower bound, so that no run that fits is refused: per sequence position the logits in float32 with
-    their softmax and the bf16 or float32 copy (10 bytes a vocabulary entry) and four saved activations a
-    layer; a sample's positions are its image tokens (28 x 28 pixels each), 64 of text and its answer in
-    every stream (SASD: two noisy copies and the clean one; Jacobi Forcing: noisy and clean blocks). A model
-    built from scratch adds its weights, gradients and AdamW moments (16 bytes a parameter)."""
-    vocab, width, layers, parameters = _model_sizes(config, source)
-    streams = {"ar": 1, "sasd": 3, "jf": 2}[config.recipe]
-    budget = config.explanation_budget + 128
-    tokens = config.image_max_pixels // (28 * 28) + 64 + streams * budget
-    samples = config.batch_size * (2 if config.labelled_ar_weight else 1)
-    activation = 2 if config.dtype == "bfloat16" else 4
-    estimate = samples * tokens * (vocab * 10 + layers * width * 4 * activation) + parameters * 16
-    model = f"{parameters:,} parameters from scratch" if parameters else f"width {width}, {layers} layers"
-    check_allocation(
-        f"training batch_size={config.batch_size} (about {tokens} positions a sample, vocabulary {vocab}, {model})",
-        estimate,
-        device,
-    )
+def check_training_memory(config: TrainConfig, device: torch.device, say: Callable[[str], None]) -> None:
+    """Print the memory a process will hold, and refuse a run whose estimate exceeds the device's budget
+    (MemoryBudgetError naming it), before anything is written."""
+    estimate = training_memory(config)
+    say(estimate.line())
+    what = f"training batch_size={config.batch_size} ({estimate.model_parameters:,} parameters from {config.init_from})"
+    check_allocation(what, estimate.per_rank_bytes, device)
 
 
 def _non_finite_term(parts: LossParts, recipe: str) -> str | None:
@@ -424,6 +471,7 @@ def train(
     say: Callable[[str], None] = print,
     stop_after: int | None = None,
     allow_changes: bool = False,
+    check_memory: bool = True,
 ) -> TrainReport:
     """Run (or resume) a training run; `stop_after` ends it early at that step, as an interruption would.
 
@@ -436,9 +484,7 @@ def train(
     # Accelerate keeps mixed precision in a per-process singleton; a second run in one process (a notebook,
     # the tests) may use another precision. The distributed state (PartialState) is kept.
     AcceleratorState._reset_state(reset_partial_state=False)
-    accelerator = Accelerator(
-        mixed_precision="bf16" if config.dtype == "bfloat16" else "no", cpu=not torch.cuda.is_available()
-    )
+    accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available())
     init = _init_path(config)
     config = continued_layout(config, init)
     out = _check_out(config, init)
@@ -461,8 +507,8 @@ def train(
             _check_resume(checkpoint, record, config, allow_changes, say)
     elif list_checkpoints(out):
         raise ConfigError(f"{out} already holds checkpoints; pass --resume to continue or choose another --out")
-    source = checkpoint.path if checkpoint else init
-    check_training_memory(config, source, accelerator.device)
+    if check_memory:
+        check_training_memory(config, accelerator.device, say)
 
     model = load_model(checkpoint.path, training=True) if checkpoint else initial_model(config)
     model.model.to(accelerator.device).train()
@@ -488,7 +534,9 @@ def train(
         write_json(out / "train_config.json", config.model_dump(mode="json"))
     accelerator.wait_for_everyone()
 
-    optimizer = torch.optim.AdamW(model.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    prepare_memory(model, config)
+    trained = [p for p in model.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
     start = 0
     if checkpoint:
@@ -498,12 +546,16 @@ def train(
         say(f"resuming from {checkpoint.path.name} (step {start})")
     if resume and accelerator.is_main_process:
         _truncate_log(out, start)
-    model.model, optimizer, scheduler = accelerator.prepare(model.model, optimizer, scheduler)
+    # The scheduler is not prepared: accelerate's would step it once per process at every optimizer step.
+    model.model, optimizer = accelerator.prepare(model.model, optimizer)
 
     world, rank = accelerator.num_processes, accelerator.process_index
+    # Data parallel: each process averages over the whole batch's tokens and scales by the processes, whose
+    # gradients DDP averages, so that a step equals one process's over the whole batch.
+    shared = global_token_counts(accelerator) if world > 1 else None
     last_validation: dict[str, float] = {}
     began = time.perf_counter()
-    window_start, window_steps = time.perf_counter(), 0
+    window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
     end = min(config.steps, stop_after) if stop_after is not None else config.steps
     for step in range(start, end):
         done = step + 1
@@ -521,16 +573,17 @@ def train(
                     parts.total = parts.total + config.labelled_ar_weight * parts.labelled
         else:
             block = annealed_block_size(step / config.steps, config.block_size, config.anneal_block_size)
-            rng = np.random.default_rng([config.seed, step, rank, 1])
+            noise = step_noise(config, step, rank * config.batch_size, len(mine))
             with accelerator.autocast():
-                parts = samples_loss(model, collator, [from_row(rows[i]) for i in mine], block, rng, config)
+                samples = [from_row(rows[i]) for i in mine]
+                parts = samples_loss(model, collator, samples, block, noise, config, shared)
         problem = _non_finite_term(parts, config.recipe)
         if world > 1:  # every process stops together, or the others would wait for it forever
             flags = accelerator.reduce(torch.tensor([int(problem is not None)], device=accelerator.device), "sum")
             problem = problem or ("the loss of another process is not finite" if flags.item() else None)
         if problem is not None:
             raise _stop(done, problem, out)
-        accelerator.backward(parts.total)
+        accelerator.backward(parts.total * world if shared is not None and jacobi is None else parts.total)
         norm = accelerator.clip_grad_norm_(model.model.parameters(), config.grad_clip)
         if norm is not None and not torch.isfinite(torch.as_tensor(norm)).all():
             raise _stop(done, f"the gradient norm is {float(norm)} (the loss is {parts.total.item()})", out)
@@ -538,7 +591,17 @@ def train(
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         window_steps += 1
+        window_tokens += parts.tokens
+        if jacobi is None:
+            taken = torch.as_tensor(np.asarray(mine), device=accelerator.device)
+            taken = accelerator.gather(taken).reshape(world, -1).tolist() if world > 1 else [taken.tolist()]
+            if accelerator.is_main_process:
+                ids = [[rows[i]["sample_id"] for i in share] for share in taken]
+                _record_data_order(out, done, ids, resumed_from=start if step == start and resume else None)
 
+        if shared is not None and jacobi is None:  # this process's part of the batch's means: their sum
+            summed = accelerator.reduce(torch.stack([parts.total, parts.noisy, parts.clean]).detach(), "sum")
+            parts.total, parts.noisy, parts.clean = summed[0], summed[1], summed[2]
         metrics = {
             "loss": parts.total.item(),
             "noisy_loss": parts.noisy.item(),
@@ -548,8 +611,12 @@ def train(
             "block_size": block,
         }
         if done % config.log_every == 0 or done == end:
-            metrics["steps_per_s"] = window_steps / (time.perf_counter() - window_start)
-            window_start, window_steps = time.perf_counter(), 0
+            elapsed = time.perf_counter() - window_start
+            metrics["steps_per_s"] = window_steps / elapsed
+            metrics["samples_per_s"] = window_steps * config.batch_size * world / elapsed
+            metrics["tokens_per_s"] = window_tokens * world / elapsed  # this process's positions, times the processes
+            metrics["peak_memory_gib"] = peak_memory_bytes(accelerator.device) / 2**30
+            window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
             if accelerator.is_main_process:
                 _append_log(out, {"step": done, **metrics})
         if done % config.validate_every == 0 or done == config.steps:
@@ -566,6 +633,9 @@ def train(
 
     final = out / "final"
     if end == config.steps and accelerator.is_main_process:
+        model.model = accelerator.unwrap_model(model.model)
+        if config.final_dtype == "bfloat16":  # training is over: the master weights are no longer needed
+            model.model.to(torch.bfloat16)
         save_model(model, final)
     seconds = time.perf_counter() - began
     return TrainReport(out, end, start, seconds, (end - start) / seconds if seconds else 0.0, final, last_validation)

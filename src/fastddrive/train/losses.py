@@ -18,17 +18,29 @@ class LossParts:
     clean: torch.Tensor
     masked_tokens: int
     labelled: torch.Tensor | None = None  # the jf recipe's loss on the data's labelled answers, when it has one
+    tokens: int = 0  # the positions the forward ran over (throughput)
 
 
 def weighted_cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None, count: int | None = None
 ) -> torch.Tensor:
-    """Cross-entropy at labelled positions, scaled by `weights` where given, over the labelled count."""
+    """Cross-entropy at labelled positions, scaled by `weights` where given, over the labelled count (or over
+    `count`: a data-parallel step's labelled count over every process, `TokenCounts`)."""
     targets = labels.flatten().to(logits.device)
     per_token = F.cross_entropy(logits.flatten(0, -2).float(), targets, reduction="none", ignore_index=IGNORE)
     if weights is not None:
         per_token = per_token * weights.flatten().to(per_token.device)
-    return per_token.sum() / (targets != IGNORE).sum().clamp(min=1)
+    return per_token.sum() / (max(count, 1) if count is not None else (targets != IGNORE).sum().clamp(min=1))
+
+
+@dataclass(frozen=True)
+class TokenCounts:
+    """The labelled tokens of a step's whole batch over every process: the clean stream's and the masked noisy
+    ones. Each process divides its loss sums by these, so that the gradients its peers average are those of one
+    process over the whole batch (each process's own mean would weigh a token by its process's share)."""
+
+    clean: int
+    masked: int
 
 
 def sasd_loss(
@@ -40,18 +52,20 @@ def sasd_loss(
     alpha: float,
     beta: float,
     clean_weights: torch.Tensor | None = None,
+    counts: TokenCounts | None = None,
 ) -> LossParts:
     """Noisy CE at masked value positions scaled by section weight (mean over masked tokens), plus the
     clean stream's CE on the response's value tokens, scaled by `clean_weights` where given (mean over
-    labelled tokens); for the AR recipe (no noisy copies) only the latter."""
-    clean = weighted_cross_entropy(clean_logits, clean_labels, clean_weights)
+    labelled tokens); for the AR recipe (no noisy copies) only the latter. With `counts` the means are over the
+    whole data-parallel batch's tokens (this process's part of them)."""
+    clean = weighted_cross_entropy(clean_logits, clean_labels, clean_weights, counts.clean if counts else None)
     labels = noisy_labels.flatten().to(noisy_logits.device)
     masked = int((labels != IGNORE).sum())
-    if masked == 0:
+    if (counts.masked if counts else masked) == 0:
         zero = clean.new_zeros(())
         return LossParts(beta * clean if noisy_logits.numel() else clean, zero, clean, 0)
     per_token = F.cross_entropy(noisy_logits.flatten(0, -2).float(), labels, reduction="none", ignore_index=IGNORE)
-    noisy = (per_token * noisy_weights.flatten().to(per_token.device)).sum() / masked
+    noisy = (per_token * noisy_weights.flatten().to(per_token.device)).sum() / (counts.masked if counts else masked)
     return LossParts(alpha * noisy + beta * clean, noisy, clean, masked)
 
 

@@ -1,0 +1,147 @@
+"""What a training run holds per process, estimated before it starts (issue 36).
+
+Per process: the parameters (float32 master weights, plus the bf16 copies autocast keeps while a step runs),
+their gradients and AdamW's two moments (of the trainable parameters), divided by the processes when they are
+sharded (FSDP full shard); and per sample of the batch, the logits (bf16 or float32, their float32 copy in the
+cross-entropy and its gradient, at every position of the packed sequence) and the activations the backward pass
+keeps: per decoder layer about 10 hidden-size and 4 intermediate-size values a position and the attention
+scores (heads x positions a position), or with gradient checkpointing one hidden-size value a layer plus one
+layer's full set. A sample's positions are its image tokens (28 x 28 pixels each), its prompt text and its
+answer once per stream (SASD: the clean stream and two noisy copies).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+from fastddrive.core.tokenizer import default_tokenizer_path, load_tokenizer
+from fastddrive.engine.model_check import read_json_object
+from fastddrive.engine.model_files import model_path, tiny_qwen2_5_vl
+from fastddrive.engine.random_init import architecture_config
+from fastddrive.train.config import TrainConfig
+
+PROMPT_TEXT_TOKENS = 320  # the chat prompt's text around the images (fastddrive's: about 300 tokens)
+ANSWER_SCAFFOLD_TOKENS = 240  # an answer's positions besides its explanation budget (Qwen vocabulary, pieces)
+IMAGE_TOKEN_PIXELS = 28 * 28
+HIDDEN_VALUES_PER_LAYER = 10  # a decoder layer's saved values per position, in hidden sizes (norms, q/k/v, o, ...)
+INTERMEDIATE_VALUES_PER_LAYER = 4  # and in intermediate sizes (gate, up, the activation, their product)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs of a model: its parameters (all, and those trained) and its text sizes."""
+
+    parameters: int
+    trainable: int
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per process of one training run (module doc), and the device's memory to compare with."""
+
+    parameters_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    activations_per_sample_bytes: int
+    logits_per_sample_bytes: int
+    batch_bytes: int
+    per_rank_bytes: int
+    processes: int
+    sharded: bool
+    positions_per_sample: int
+    model_parameters: int
+    trainable_parameters: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def line(self) -> str:
+        gib = 2**30
+        return (
+            f"memory estimate per process: {self.per_rank_bytes / gib:.2f} GiB = parameters "
+            f"{self.parameters_bytes / gib:.2f} + gradients {self.gradients_bytes / gib:.2f} + optimizer "
+            f"{self.optimizer_bytes / gib:.2f} + batch {self.batch_bytes / gib:.2f} (per sample: logits "
+            f"{self.logits_per_sample_bytes / gib:.2f}, activations {self.activations_per_sample_bytes / gib:.2f}; "
+            f"{self.positions_per_sample} positions); {self.model_parameters:,} parameters, "
+            f"{self.trainable_parameters:,} trained, {self.processes} process(es)"
+            + (", sharded" if self.sharded else "")
+        )
+
+
+def model_shape(config: TrainConfig) -> ModelShape:
+    """The shape of the model a run starts from, built on the meta device (no weights are read or made)."""
+    if config.init_from.startswith("random:"):
+        model_config = architecture_config(config.init_from.split(":", 1)[1], config.random_shrink)
+        build = lambda: AutoModelForImageTextToText.from_config(model_config)  # noqa: E731
+    elif config.init_from == "scratch":
+        tokenizer = load_tokenizer(default_tokenizer_path())
+        build = lambda: tiny_qwen2_5_vl(tokenizer, **config.architecture.model_dump(), seed=config.seed)  # noqa: E731
+    else:
+        name = config.init_from.split(":", 1)[1] if config.init_from.startswith("embedded:") else config.init_from
+        raw = read_json_object(Path(model_path(name)) / "config.json")
+        model_config = AutoConfig.for_model(**raw)
+        auto = AutoModelForImageTextToText if "vision_config" in raw else AutoModelForCausalLM
+        build = lambda: auto.from_config(model_config)  # noqa: E731
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        model = build()
+    parameters = sum(p.numel() for p in model.parameters())
+    visual = getattr(getattr(model, "model", None), "visual", None)
+    frozen = sum(p.numel() for p in visual.parameters()) if config.freeze_vision and visual is not None else 0
+    text = model.config.get_text_config()
+    return ModelShape(
+        parameters,
+        parameters - frozen,
+        text.vocab_size,
+        text.hidden_size,
+        text.intermediate_size,
+        text.num_hidden_layers,
+        text.num_attention_heads,
+    )
+
+
+def estimate_training_memory(
+    config: TrainConfig, shape: ModelShape, processes: int = 1, sharded: bool = False
+) -> MemoryEstimate:
+    """The bytes one process holds (module doc) for `config` on a model of `shape`."""
+    share = processes if sharded else 1
+    bf16 = config.mixed_precision == "bf16"
+    activation = 2 if bf16 else 4
+    parameters = 4 * shape.parameters // share + (2 * shape.parameters // share if bf16 else 0)
+    gradients = 4 * shape.trainable // share
+    optimizer = 8 * shape.trainable // share
+    streams = {"ar": 1, "sasd": 3, "jf": 2}[config.recipe]
+    answer = config.explanation_budget + ANSWER_SCAFFOLD_TOKENS
+    positions = config.image_max_pixels // IMAGE_TOKEN_PIXELS + PROMPT_TEXT_TOKENS + streams * answer
+    logits = positions * shape.vocab * (activation + 8)
+    per_position = HIDDEN_VALUES_PER_LAYER * shape.hidden + INTERMEDIATE_VALUES_PER_LAYER * shape.intermediate
+    full_layer = positions * (per_position + shape.heads * positions) * activation
+    if config.gradient_checkpointing:
+        activations = shape.layers * positions * shape.hidden * activation + full_layer
+    else:
+        activations = shape.layers * full_layer
+    samples = config.batch_size * (2 if config.labelled_ar_weight else 1)
+    batch = samples * (logits + activations)
+    return MemoryEstimate(
+        parameters,
+        gradients,
+        optimizer,
+        activations,
+        logits,
+        batch,
+        parameters + gradients + optimizer + batch,
+        processes,
+        sharded,
+        positions,
+        shape.parameters,
+        shape.trainable,
+    )
