@@ -323,7 +323,6 @@ def test_plan_on_the_command_line_takes_the_three_front_cameras_of_the_users_siz
 
 # Options that bound the work of a random model over 151,936 logits per position (confidence never reaches 0.9).
 QUICK_OPTIONS = {
-    "fullseq": {"tau": 0.0},
     "mdm": {"tau": 0.0},
     "sd": {"tau": 0.0},
     "pvf": {"tau": 0.0, "planning": False},  # no planning vocabulary calibrated for this folder
@@ -336,7 +335,9 @@ QUICK_OPTIONS = {
 def test_every_decoder_runs_on_the_imported_folder(imported):
     planner = load(imported[1])
     frames = [np.zeros((308, 588, 3), np.uint8)] * 3
-    for decoder in sorted(DECODERS):
+    # fullseq re-reads the whole answer's 151,936-row logits at each of its ~200 steps here (43 s on 2 cores); it
+    # runs on the embedded model in test_decoders, which exercises the same code on another layout.
+    for decoder in sorted(set(DECODERS) - {"fullseq"}):
         options = QUICK_OPTIONS.get(decoder, {})
         result = planner.plan(
             decoder=decoder, images=frames, history=np.zeros((7, 6)), command="go_straight", **options
