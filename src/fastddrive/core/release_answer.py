@@ -26,10 +26,10 @@ from fastddrive.core.schema import (
     SECTIONS,
     DrivingResponse,
     Piece,
-    ResponseError,
     coordinate_slots,
     format_coordinate,
-    parse,
+    from_json_object,
+    json_object,
     slot_choices,
 )
 
@@ -128,24 +128,15 @@ def release_slot_choices(slot: str) -> tuple[str, ...] | None:
 def parse_release(text: str) -> DrivingResponse:
     """Parse a release answer (NULL padding stripped): meta-behaviour phrases mapped to our values where they
     name one, kept verbatim where they do not; ResponseError saying what is wrong."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ResponseError(f"response is not valid JSON: {err.msg} at character {err.pos}") from None
-    if not isinstance(data, dict):
-        raise ResponseError(f"response must be a JSON object, got {type(data).__name__}")
+    data = json_object(text)
     meta = data.get("future_meta_behavior")
     if isinstance(meta, dict):
-        data["future_meta_behavior"] = {
-            key: _read_meta(key, value, table)
-            for key, table in (("longitudinal", _READ_LONGITUDINAL), ("lateral", _READ_LATERAL))
-            if key in meta
-            for value in [meta[key]]
-        } | {k: v for k, v in meta.items() if k not in ("longitudinal", "lateral")}
-    return parse(json.dumps(data, ensure_ascii=False), free_meta_text=True)
+        tables = {"longitudinal": _READ_LONGITUDINAL, "lateral": _READ_LATERAL}
+        data["future_meta_behavior"] = {k: _read_meta(v, tables[k]) if k in tables else v for k, v in meta.items()}
+    return from_json_object(data, free_meta_text=True)
 
 
-def _read_meta(key: str, value: object, table: Mapping[str, str]) -> object:
+def _read_meta(value: object, table: Mapping[str, str]) -> object:
     if not isinstance(value, str):
         return value  # the schema names the wrong type
     return table.get(_key(value), value)

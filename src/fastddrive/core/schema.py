@@ -316,12 +316,23 @@ def from_slot_values(values: Mapping[str, str]) -> DrivingResponse:
 def parse(text: str, free_meta_text: bool = False) -> DrivingResponse:
     """Parse and validate response JSON text; raises ResponseError saying what is wrong. `free_meta_text` keeps
     a meta-behaviour value outside the vocabulary verbatim (a release answer's phrase)."""
+    return from_json_object(json_object(text), free_meta_text)
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """Response text as a JSON object; ResponseError when it is not JSON or not an object."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         raise ResponseError(f"response is not valid JSON: {err.msg} at character {err.pos}") from None
     if not isinstance(data, dict):
         raise ResponseError(f"response must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def from_json_object(data: Mapping[str, Any], free_meta_text: bool = False) -> DrivingResponse:
+    """The validated response of a parsed JSON object (a trajectory given as text, as the release writes it, is
+    read into its pairs); ResponseError saying what is wrong."""
     trajectory = data.get("trajectory")
     if isinstance(trajectory, str):
         match = _TRAJECTORY_TEXT.match(trajectory)

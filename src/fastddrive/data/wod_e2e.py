@@ -330,8 +330,8 @@ def _sample(
     response, derived = _answer(answer, future)
     image = _image(record["image"], root, max_pixels)
     time_s = float(record.get("timestamp_micros", 0)) / 1e6
-    sample = _wod_sample(str(record["sample_id"]), time_s, image, _history(record, prompt), command, future, response)
-    return _with_raters(sample, raters), derived
+    history = _history(record, prompt)
+    return _wod_sample(str(record["sample_id"]), time_s, image, history, command, future, response, raters), derived
 
 
 def _wod_sample(
@@ -342,8 +342,11 @@ def _wod_sample(
     intent: str,
     future: np.ndarray,
     response: DrivingResponse,
+    raters: tuple[np.ndarray, np.ndarray] | None,
 ) -> DrivingSample:
-    """A WOD-E2E frame as a sample (module doc: the fields with no WOD-E2E counterpart); no raters yet."""
+    """A WOD-E2E frame as a sample (module doc: the fields with no WOD-E2E counterpart), with its rater futures and
+    scores (`_raters`; None: an unrated frame, kept without them)."""
+    trajectories, scores = raters if raters is not None else (np.zeros((0, FUTURE_STEPS, 2)), np.zeros(0))
     return DrivingSample(
         sample_id=sample_id,
         scenario=SOURCE,
@@ -356,14 +359,9 @@ def _wod_sample(
         future_time_s=_FUTURE_TIME_S,
         response=response,
         view=_NO_VIEW,
+        rater_trajectories=trajectories,
+        rater_scores=scores,
     )
-
-
-def _with_raters(sample: DrivingSample, raters: tuple[np.ndarray, np.ndarray] | None) -> DrivingSample:
-    """The sample with the rater futures and scores (`_raters`; None: an unrated frame, kept without them)."""
-    if raters is None:
-        return sample
-    return replace(sample, rater_trajectories=raters[0], rater_scores=raters[1])
 
 
 def _outcome(
@@ -402,8 +400,11 @@ def _raw_sample(frame: WodFrame, split: str, max_pixels: int) -> tuple[DrivingSa
     response, derived = _answer("", np.zeros((FUTURE_STEPS, 2)) if future is None else future)
     image, history = join_cameras(cameras, max_pixels), frame.past[list(HISTORY_ROWS_4HZ)]
     logged = np.full((FUTURE_STEPS, 2), np.nan) if future is None else future
-    sample = _wod_sample(frame.name, frame.timestamp_micros / 1e6, image, history, frame.intent, logged, response)
-    return _with_raters(sample, _raters({}, frame, has_tfrecords=True)), derived
+    raters = _raters({}, frame, has_tfrecords=True)
+    sample = _wod_sample(
+        frame.name, frame.timestamp_micros / 1e6, image, history, frame.intent, logged, response, raters
+    )
+    return sample, derived
 
 
 def _raw_outcomes(tfrecords: list[Path], max_pixels: int) -> Iterator[RecordOutcome]:

@@ -169,10 +169,9 @@ def convert_raw_wod_e2e(
     _write(folder, settings, done, complete=complete)
     if folder != out and complete:
         replace_folder(folder, out)
-    samples = {s: sum(r.samples for r in done.values() if r.split == s) for s in SPLITS}
-    unrated = {s: sum(r.unrated for r in done.values() if r.split == s) for s in SPLITS}
     derived = sum(r.derived for r in done.values())
-    return ConversionReport(samples, unrated, derived, failures, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return ConversionReport(_per_split(done, "samples"), _per_split(done, "unrated"), derived, failures, seconds)
 
 
 def _write(folder: Path, settings: dict[str, Any], done: dict[str, FileResult], complete: bool) -> None:
@@ -188,9 +187,17 @@ def _write(folder: Path, settings: dict[str, Any], done: dict[str, FileResult], 
         }
         for r in done.values()
     }
-    samples = {s: sum(r.samples for r in done.values() if r.split == s) for s in SPLITS}
-    counts = {"samples": samples, FILES: files, "failed": sum(len(r.failures) for r in done.values())}
+    counts = {
+        "samples": _per_split(done, "samples"),
+        FILES: files,
+        "failed": sum(len(r.failures) for r in done.values()),
+    }
     write_manifest(folder, settings, complete=complete, counts=counts, shards=shards)
+
+
+def _per_split(done: dict[str, FileResult], count: str) -> dict[str, int]:
+    """A count of the converted files (`samples`, `unrated`), summed per split."""
+    return {split: sum(getattr(r, count) for r in done.values() if r.split == split) for split in SPLITS}
 
 
 def _finished_files(folder: Path, manifest: dict[str, Any]) -> dict[str, FileResult]:

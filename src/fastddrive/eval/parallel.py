@@ -30,18 +30,13 @@ def share(items: Sequence[T]) -> list[T]:
         return list(mine)
 
 
-def process_range(total: int) -> tuple[int, int, int]:
-    """[start, stop) of this process's contiguous share of `total` items (as `share` cuts them), and its rank."""
-    launch = state()
-    size, extra = divmod(total, launch.num_processes)
-    rank = launch.process_index
-    start = rank * size + min(rank, extra)
-    return start, start + size + (rank < extra), rank
-
-
 def gather(mine: list[T]) -> list[T]:
     """Every process's share, concatenated in process order (every process gets the whole list)."""
     return list(gather_object(mine))
+
+
+def process_index() -> int:
+    return state().process_index
 
 
 def is_main_process() -> bool:

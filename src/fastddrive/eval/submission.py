@@ -42,7 +42,7 @@ from fastddrive.data.dataset import DrivingDataset
 from fastddrive.data.wod_tfrecord import mirrored_classes
 from fastddrive.decode.registry import DecoderError
 from fastddrive.eval.accuracy import stored_samples
-from fastddrive.eval.parallel import gather, is_main_process, process_range
+from fastddrive.eval.parallel import gather, is_main_process, process_index, share
 from fastddrive.planner import Planner
 
 E2ED_SUBMISSION = 1  # E2EDChallengeSubmission.SubmissionType
@@ -324,8 +324,9 @@ def plan_submission(
     total = len(dataset.table(split, columns=["sample_id"]))
     if total == 0:
         raise SubmissionError(f"split {split!r} has no frames: nothing to submit")
-    first, stop, rank = process_range(total)
-    journal = _Journal(out, rank, settings)
+    frames = share(range(total))  # this process's contiguous share of the frames
+    first, stop = (frames[0], frames[-1] + 1) if frames else (total, total)
+    journal = _Journal(out, process_index(), settings)
     resumed = 0
     try:
         for stored in stored_samples(dataset, split, first, stop):
@@ -335,10 +336,10 @@ def plan_submission(
                 journal.add(_planned(planner, stored, decoder, options))
             if on_sample:
                 on_sample()
-        mine = [journal.entries[name] for name in _names(dataset, split, first, stop)]
+        planned = [journal.entries[name] for name in _names(dataset, split, first, stop)]
     finally:
         journal.close(remove=False)
-    entries = gather(mine)
+    entries = gather(planned)
     if not is_main_process():
         return None
     predictions = {e["frame"]: np.asarray(e["points"]) for e in entries}

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import AutoModelForImageTextToText
 
 from fastddrive.core.tokenizer import default_tokenizer_path, load_tokenizer
-from fastddrive.engine.model_check import read_json_object
+from fastddrive.engine.model_check import meta_model, read_json_object
 from fastddrive.engine.model_files import model_path, tiny_qwen2_5_vl
 from fastddrive.engine.random_init import architecture_config
 from fastddrive.train.config import TrainConfig
@@ -80,20 +80,8 @@ class MemoryEstimate:
 
 def model_shape(config: TrainConfig) -> ModelShape:
     """The shape of the model a run starts from, built on the meta device (no weights are read or made)."""
-    if config.init_from.startswith("random:"):
-        model_config = architecture_config(config.init_from.split(":", 1)[1], config.random_shrink)
-        build = lambda: AutoModelForImageTextToText.from_config(model_config)  # noqa: E731
-    elif config.init_from == "scratch":
-        tokenizer = load_tokenizer(default_tokenizer_path())
-        build = lambda: tiny_qwen2_5_vl(tokenizer, **config.architecture.model_dump(), seed=config.seed)  # noqa: E731
-    else:
-        name = config.init_from.split(":", 1)[1] if config.init_from.startswith("embedded:") else config.init_from
-        raw = read_json_object(Path(model_path(name)) / "config.json")
-        model_config = AutoConfig.for_model(**raw)
-        auto = AutoModelForImageTextToText if "vision_config" in raw else AutoModelForCausalLM
-        build = lambda: auto.from_config(model_config)  # noqa: E731
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        model = build()
+    with torch.random.fork_rng(devices=[]):
+        model = _meta_start(config)
     parameters = sum(p.numel() for p in model.parameters())
     visual = getattr(getattr(model, "model", None), "visual", None)
     frozen = sum(p.numel() for p in visual.parameters()) if config.freeze_vision and visual is not None else 0
@@ -107,6 +95,21 @@ def model_shape(config: TrainConfig) -> ModelShape:
         text.num_hidden_layers,
         text.num_attention_heads,
     )
+
+
+def _meta_start(config: TrainConfig) -> torch.nn.Module:
+    """The starting model on the meta device: a shipped architecture, the scratch model, or a folder's config."""
+    if config.init_from.startswith("random:"):
+        architecture = architecture_config(config.init_from.split(":", 1)[1], config.random_shrink)
+        with torch.device("meta"):
+            return AutoModelForImageTextToText.from_config(architecture)
+    if config.init_from == "scratch":
+        tokenizer = load_tokenizer(default_tokenizer_path())
+        with torch.device("meta"):
+            return tiny_qwen2_5_vl(tokenizer, **config.architecture.model_dump(), seed=config.seed)
+    name = config.init_from.split(":", 1)[1] if config.init_from.startswith("embedded:") else config.init_from
+    file = Path(model_path(name)) / "config.json"
+    return meta_model(read_json_object(file), file)
 
 
 def estimate_training_memory(
