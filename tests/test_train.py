@@ -2,6 +2,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -20,7 +21,7 @@ from fastddrive.engine.model_files import load_model, save_model, tiny_image_pro
 from fastddrive.serve.loadtest import free_port
 from fastddrive.train.checkpoint import list_checkpoints, validate_checkpoint
 from fastddrive.train.collate import IGNORE, DualStreamCollator
-from fastddrive.train.config import ConfigError, load_config
+from fastddrive.train.config import ConfigError, load_config, presets_dir
 from fastddrive.train.loop import batch_loss, initial_model, train
 from fastddrive.train.losses import sasd_loss
 from fastddrive.train.noise import annealed_block_size, complementary_masks
@@ -264,19 +265,33 @@ TWO_RANKS = (
 )
 
 
-@pytest.mark.parametrize("recipe", ["ar", "sasd"])  # AR answers differ in length: the token count matters
-def test_two_ranks_on_this_cpu_take_the_step_of_one_process_over_the_doubled_batch(data, tmp_path, recipe):
-    """`accelerate launch --multi_gpu --num_processes 2` (gloo ranks on a CPU): the ranks train on different
-    samples, and the parameters after two steps equal one process's over the doubled batch (the loss averaged
-    over the whole batch's tokens, the schedule stepped once per step)."""
-    config = tmp_path / "two.yaml"
-    config.write_text(f"name: two\nrecipe: {recipe}\ndata: {data}\nout: {tmp_path / 'two'}\nbatch_size: 2\n{TWO_RANKS}")
+def _launch_two_ranks(config, *options: str) -> subprocess.CompletedProcess:
+    """`accelerate launch --multi_gpu --num_processes 2 -m fastddrive.cli train --config CONFIG`, as the README
+    says, on this CPU (gloo)."""
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
     launcher += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     launcher += ["--main_process_port", str(free_port()), "-m", "fastddrive.cli", "train", "--config", str(config)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(launcher, capture_output=True, text=True, env=env, timeout=600)
+    result = subprocess.run([*launcher, *options], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.parametrize(
+    ("recipe", "sharding"),
+    [("ar", "none"), ("sasd", "none"), ("sasd", "fsdp")],  # AR answers differ in length: the token count matters
+)
+def test_two_ranks_on_this_cpu_take_the_step_of_one_process_over_the_doubled_batch(data, tmp_path, recipe, sharding):
+    """`accelerate launch --multi_gpu --num_processes 2` (gloo ranks on a CPU), data parallel or FSDP-sharded:
+    the ranks train on different samples, and the parameters after two steps equal one process's over the
+    doubled batch (the loss averaged over the whole batch's tokens, the schedule stepped once per step)."""
+    config = tmp_path / "two.yaml"
+    config.write_text(
+        f"name: two\nrecipe: {recipe}\ndata: {data}\nout: {tmp_path / 'two'}\nbatch_size: 2\n"
+        f"sharding: {sharding}\n{TWO_RANKS}"
+    )
+    result = _launch_two_ranks(config)
+    assert ("sharded" in result.stdout) == (sharding == "fsdp")  # the estimate of a sharded run says so
     order = [json.loads(line) for line in (tmp_path / "two" / "data_order.jsonl").read_text().splitlines()]
     assert [len(step["samples"]) for step in order] == [2, 2]  # world size 2
     assert all(step["samples"][0] != step["samples"][1] for step in order)  # the ranks read different samples
@@ -301,6 +316,39 @@ def test_two_ranks_on_this_cpu_take_the_step_of_one_process_over_the_doubled_bat
     ]
     worst = max(relative)
     assert worst < 1e-5, worst
+    if sharding == "fsdp":  # the checkpoint holds the gathered optimizer state, as one process's
+        from fastddrive.train.checkpoint import optimizer_state
+
+        two_state = optimizer_state(tmp_path / "two" / "checkpoint-000002")
+        one_state = optimizer_state(tmp_path / "one" / "checkpoint-000002")
+        assert two_state["state"].keys() == one_state["state"].keys()
+        for index, moments in one_state["state"].items():
+            assert two_state["state"][index]["exp_avg"].shape == moments["exp_avg"].shape
+
+
+def test_a_sharded_bf16_run_resumes_to_the_uninterrupted_runs_weights(data, tmp_path):
+    """FSDP over two gloo ranks with bf16 weights (their float32 moments sharded as DTensors): the final model is
+    saved whole in bf16; a run that lost its last checkpoint resumes from the one before, its state gathered
+    whole and sharded again, and ends with the uninterrupted run's weights bit for bit."""
+    from safetensors.torch import load_file
+
+    config = tmp_path / "bf16.yaml"
+    every_step = TWO_RANKS.replace("checkpoint_every: 2", "checkpoint_every: 1")
+    config.write_text(
+        f"name: bf16\nrecipe: sasd\ndata: {data}\nout: {tmp_path / 'run'}\nbatch_size: 2\nsharding: fsdp\n"
+        f"mixed_precision: bf16\nweights_dtype: bfloat16\n{every_step}"
+    )
+    _launch_two_ranks(config)
+    whole = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))
+    assert {v.dtype for v in whole.values()} == {torch.bfloat16}
+    saved = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
+    assert saved["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]  # a plain model folder, not FSDP's
+    shutil.rmtree(tmp_path / "run" / "final")
+    shutil.rmtree(tmp_path / "run" / "checkpoint-000002")
+    resumed = _launch_two_ranks(config, "--resume")
+    assert "resuming from checkpoint-000001" in resumed.stdout
+    again = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))
+    assert all(torch.equal(again[k], whole[k]) for k in whole)
 
 
 def test_each_section_is_masked_at_the_rate_of_its_own_beta_noise():
@@ -390,30 +438,64 @@ finally:
 """
 
 
-def test_the_3b_width_cut_preset_trains_in_bf16_with_checkpointing_within_its_memory_estimate(data, tmp_path):
+CAP = "9.5GiB"  # between the bf16 run with checkpointing and the float32 run without (their estimates: 8.07, 11.03)
+
+
+def _peak_run(arguments: list[str], env: dict | None = None) -> tuple[subprocess.CompletedProcess, int, int]:
+    """`fastddrive train ARGUMENTS` in a fresh process: the result, the estimate it printed first and the peak
+    resident memory the run added (bytes)."""
+    command = [sys.executable, "-c", PEAK_SCRIPT, "train", *arguments]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})})
+    found = re.search(r"memory estimate per process: ([\d.]+) GiB", done.stdout)
+    peak = re.search(r"PEAK_KIB (\d+)", done.stdout)
+    estimate = int(float(found.group(1)) * 2**30) if found else 0
+    return done, estimate, int(peak.group(1)) * 1024 if peak else 0
+
+
+def test_the_3b_width_cut_preset_trains_in_bf16_with_checkpointing_under_a_cap_the_float32_run_exceeds(data, tmp_path):
     """`qwen2.5-vl-3b-cut`: the 3B's widths cut to 2 layers and a 2-block vision tower, the real vocabulary,
-    bf16 with gradient checkpointing, 2 steps on this CPU; the final model is saved in bf16, and the peak memory
-    the run adds to the process is within 25% of the estimate it printed first."""
+    bf16 weights with float32 moments and gradient checkpointing, 2 steps on this CPU under a memory budget
+    (CAP); its final model is saved in bf16. The float32 run without checkpointing is refused under that budget
+    and, run anyway, holds more than it. Each run's peak is within 25% of the estimate it printed first."""
     from safetensors import safe_open
 
     out = tmp_path / "cut"
-    command = [sys.executable, "-c", PEAK_SCRIPT, "train", "--preset", "qwen2.5-vl-3b-cut", "--data", str(data)]
-    done = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True, timeout=900)
+    done, estimate, peak = _peak_run(
+        ["--preset", "qwen2.5-vl-3b-cut", "--data", str(data), "--out", str(out)], {"FASTDDRIVE_MEMORY_BUDGET": CAP}
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    estimate = float(re.search(r"memory estimate per process: ([\d.]+) GiB", done.stdout).group(1)) * 2**30
-    peak = int(re.search(r"PEAK_KIB (\d+)", done.stdout).group(1)) * 1024
     assert abs(peak - estimate) <= 0.25 * peak, (peak / 2**30, estimate / 2**30)
+    cap = float(CAP.removesuffix("GiB")) * 2**30
+    assert peak < cap, peak / 2**30
     with safe_open(str(out / "final" / "model.safetensors"), "pt") as saved:
         assert {saved.get_slice(k).get_dtype() for k in saved.keys()} == {"BF16"}  # noqa: SIM118
+
+    float32 = tmp_path / "float32.yaml"
+    preset = (presets_dir() / "qwen2.5-vl-3b-cut.yaml").read_text()
+    changes = {"mixed_precision: bf16": "mixed_precision: 'no'", "weights_dtype: bfloat16": "weights_dtype: float32"}
+    changes["gradient_checkpointing: true"] = "gradient_checkpointing: false"
+    for old, new in changes.items():
+        assert old in preset
+        preset = preset.replace(old, new)
+    float32.write_text(preset)
+    plain = ["--config", str(float32), "--data", str(data), "--steps", "1"]
+    refused, _, _ = _peak_run([*plain, "--out", str(tmp_path / "refused")], {"FASTDDRIVE_MEMORY_BUDGET": CAP})
+    assert refused.returncode == 2 and "budget" in refused.stderr + refused.stdout, refused.stderr[-2000:]
+    assert not (tmp_path / "refused").exists()
+    done, estimate, peak = _peak_run([*plain, "--out", str(tmp_path / "float32"), "--ignore-memory-estimate"])
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert peak > cap, peak / 2**30
+    assert abs(peak - estimate) <= 0.25 * peak, (peak / 2**30, estimate / 2**30)
+
     estimate_only = CliRunner().invoke(app, ["train", "--preset", "qwen2.5-vl-3b-cut", "--estimate-only", "--json"])
     parts = json.loads(estimate_only.stdout)
     assert parts["per_rank_bytes"] == sum(
         parts[k] for k in ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "batch_bytes")
     )
     assert parts["model_parameters"] > 5e8  # 3B widths with the real vocabulary: the embedding alone is 311M
-    plain = CliRunner().invoke(
+    alone = CliRunner().invoke(
         app,
         ["train", "--preset", "qwen2.5-vl-3b-cut", "--estimate-only", "--json"],
         env={"FASTDDRIVE_MEMORY_BUDGET": "1GiB"},
     )
-    assert plain.exit_code == 0  # an estimate alone is never refused
+    assert alone.exit_code == 0  # an estimate alone is never refused

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    PreTrainedModel,
     PreTrainedTokenizerBase,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
@@ -121,10 +122,11 @@ def ensure_diffusion_tokens(model: BlockDiffusionModel) -> DiffusionTokenIds:
     return ids
 
 
-def write_model_files(model: BlockDiffusionModel, folder: Path) -> None:
+def write_model_files(model: BlockDiffusionModel, folder: Path, core: PreTrainedModel | None = None) -> None:
     """Write safetensors weights, config, tokenizer, image processor and fastddrive.json into `folder`, each
-    file flushed to disk (`folder` is a staging folder, renamed into place by the caller)."""
-    model.core.save_pretrained(str(folder))
+    file flushed to disk (`folder` is a staging folder, renamed into place by the caller). `core` stands for the
+    model's transformers model (a sharded model's, gathered whole)."""
+    (core or model.core).save_pretrained(str(folder))
     model.tokenizer.save_pretrained(str(folder))
     if model.image_processor is not None:
         model.image_processor.save_pretrained(str(folder))
@@ -141,10 +143,10 @@ def sync_files(folder: Path) -> None:
     fsync_folder(folder)
 
 
-def save_model(model: BlockDiffusionModel, path: str | Path) -> None:
+def save_model(model: BlockDiffusionModel, path: str | Path, core: PreTrainedModel | None = None) -> None:
     """Write the model folder atomically: built beside `path`, swapped in whole (`outputs.staged_folder`)."""
     with staged_folder(path) as staging:
-        write_model_files(model, staging)
+        write_model_files(model, staging, core)
 
 
 def model_path(name: str) -> Path:

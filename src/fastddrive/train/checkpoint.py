@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
+from transformers import PreTrainedModel
 
 from fastddrive.core.outputs import is_temporary, replace_folder
 from fastddrive.engine.model import BlockDiffusionModel
@@ -64,19 +65,21 @@ def save_checkpoint(
     out: Path,
     step: int,
     model: BlockDiffusionModel,
-    optimizer: torch.optim.Optimizer,
+    optimizer_state: dict[str, Any],
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     state: dict[str, Any],
     keep: int,
+    core: PreTrainedModel | None = None,
 ) -> Path:
     """Write checkpoint-STEP atomically (a temporary folder, fsynced, renamed at the end) with the checksums of
-    its files; keep the newest `keep`."""
+    its files; keep the newest `keep`. A sharded run passes its model and optimizer state gathered whole (`core`
+    stands for the model's transformers model)."""
     final = checkpoint_dir(out, step)
     tmp = out / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    write_model_files(model, tmp)
-    tensors, groups = _optimizer_to_safe(optimizer.state_dict())
+    write_model_files(model, tmp, core)
+    tensors, groups = _optimizer_to_safe(optimizer_state)
     save_file(tensors, str(tmp / OPTIMIZER_TENSORS))
     (tmp / OPTIMIZER_GROUPS).write_text(json.dumps(groups))
     scheduler_state = scheduler.state_dict()  # lr_lambdas is [None] for plain functions: JSON-safe

@@ -85,11 +85,16 @@ class TrainConfig(BaseModel):
     # Precision and memory (issue 36): bf16 compute over float32 master weights and optimizer states (accelerate's
     # mixed precision); transformers' own non-reentrant gradient checkpointing of the language model and the
     # vision tower; the vision tower frozen; the final model's dtype (default: bf16 for a bf16 run). Checkpoints
-    # keep the float32 master weights, so that a resumed run is exact.
+    # keep the float32 master weights, so that a resumed run is exact. `weights_dtype: bfloat16` holds the weights
+    # and gradients themselves in bf16 (no master copy: 12 bytes per trained parameter instead of 16), updated by
+    # AdamW with float32 moments and stochastic rounding (train/bf16_adamw.py); it needs `mixed_precision: bf16`.
+    # `sharding: fsdp` shards weights, gradients and optimizer states over the processes (train/sharding.py).
     mixed_precision: Literal["no", "bf16"] = "no"
+    weights_dtype: Literal["float32", "bfloat16"] = "float32"
     gradient_checkpointing: bool = False
     freeze_vision: bool = False
     save_dtype: Literal["float32", "bfloat16"] | None = None
+    sharding: Literal["none", "fsdp"] = "none"
     block_size: int = Field(default=32, ge=2, le=1024)
     anneal_block_size: bool = True
     alpha: LossWeight = 0.5
@@ -176,6 +181,12 @@ class TrainConfig(BaseModel):
             dtype = data.pop("dtype")
             data["mixed_precision"] = {"bfloat16": "bf16", "float32": "no"}.get(dtype, dtype)
         return data
+
+    @model_validator(mode="after")
+    def _bf16_weights_in_a_bf16_run(self) -> TrainConfig:
+        if self.weights_dtype == "bfloat16" and self.mixed_precision != "bf16":
+            raise ValueError("weights_dtype: bfloat16 needs mixed_precision: bf16 (a float32 run has float32 weights)")
+        return self
 
     @property
     def final_dtype(self) -> str:

@@ -14,6 +14,7 @@ import math
 import resource
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
 from pydantic import ValidationError
 
-from fastddrive.core.memory import check_allocation
+from fastddrive.core.memory import MemoryBudgetError, check_allocation
 from fastddrive.core.outputs import OutputError, check_folder_destination, owner, write_json, write_text
 from fastddrive.core.sample import DrivingSample, SampleError
 from fastddrive.core.scaffold import Scaffold
@@ -43,6 +44,7 @@ from fastddrive.engine.model_files import (
     tiny_qwen2_5_vl,
 )
 from fastddrive.engine.random_init import random_init_model
+from fastddrive.train.bf16_adamw import BF16AdamW
 from fastddrive.train.checkpoint import (
     Checkpoint,
     latest_checkpoint,
@@ -58,6 +60,14 @@ from fastddrive.train.jacobi_forcing import JacobiForcingBatch, JacobiForcingCol
 from fastddrive.train.losses import LossParts, TokenCounts, jacobi_forcing_loss, sasd_loss
 from fastddrive.train.memory_estimate import MemoryEstimate, estimate_training_memory, model_shape
 from fastddrive.train.noise import annealed_block_size
+from fastddrive.train.sharding import (
+    full_value,
+    full_weights,
+    gathered_model,
+    gathered_optimizer_state,
+    load_optimizer_state,
+    shard_model,
+)
 from fastddrive.train.trajectories import TrajectorySet
 from fastddrive.train.validation import greedy_ar_ade
 
@@ -146,6 +156,14 @@ def initial_model(config: TrainConfig) -> BlockDiffusionModel:
         prompt=wrapper.info.prompt,
     )
     return wrapper
+
+
+def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over the trained parameters: torch's over float32 weights, BF16AdamW over bf16 ones."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if config.weights_dtype == "bfloat16":
+        return BF16AdamW(trained, lr=config.lr, weight_decay=config.weight_decay, seed=config.seed)
+    return torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -276,13 +294,15 @@ def validate(
     samples: list[DrivingSample],
     config: TrainConfig,
     ade_samples: int,
+    sharded: bool = False,
 ) -> dict[str, float]:
     """Validation loss on fixed samples and masks, and greedy-AR ADE on the first `ade_samples` of them."""
     model.model.eval()
     with torch.no_grad():
         rng = np.random.default_rng([config.seed, 10**9])
         parts = samples_loss(model, collator, samples, config.block_size, rng, config)
-    accuracy = greedy_ar_ade(model, samples[:ade_samples])
+    with full_weights(model.model) if sharded else nullcontext():
+        accuracy = greedy_ar_ade(model, samples[:ade_samples])
     model.model.train()
     return {
         "val_loss": parts.total.item(),
@@ -433,16 +453,24 @@ def training_memory(config: TrainConfig) -> MemoryEstimate:
     """The memory estimate of a run (`train.memory_estimate`) for the processes of this launch."""
     _init_path(config)  # a missing starting folder is named as such, before its config is read
     processes = PartialState(cpu=not torch.cuda.is_available()).num_processes  # gloo on a machine without GPUs
-    return estimate_training_memory(config, model_shape(config), processes)
+    sharded = config.sharding == "fsdp" and processes > 1
+    return estimate_training_memory(config, model_shape(config), processes, sharded)
 
 
-def check_training_memory(config: TrainConfig, device: torch.device, say: Callable[[str], None]) -> None:
+def check_training_memory(
+    config: TrainConfig, device: torch.device, say: Callable[[str], None], refuse: bool = True
+) -> None:
     """Print the memory a process will hold, and refuse a run whose estimate exceeds the device's budget
-    (MemoryBudgetError naming it), before anything is written."""
+    (MemoryBudgetError naming it), before anything is written; with `refuse` False, say so and go on."""
     estimate = training_memory(config)
     say(estimate.line())
     what = f"training batch_size={config.batch_size} ({estimate.model_parameters:,} parameters from {config.init_from})"
-    check_allocation(what, estimate.per_rank_bytes, device)
+    try:
+        check_allocation(what, estimate.per_rank_bytes, device)
+    except MemoryBudgetError as err:
+        if refuse:
+            raise
+        say(f"{err} (training anyway: --ignore-memory-estimate)")
 
 
 def _non_finite_term(parts: LossParts, recipe: str) -> str | None:
@@ -507,11 +535,10 @@ def train(
             _check_resume(checkpoint, record, config, allow_changes, say)
     elif list_checkpoints(out):
         raise ConfigError(f"{out} already holds checkpoints; pass --resume to continue or choose another --out")
-    if check_memory:
-        check_training_memory(config, accelerator.device, say)
+    check_training_memory(config, accelerator.device, say, refuse=check_memory)
 
     model = load_model(checkpoint.path, training=True) if checkpoint else initial_model(config)
-    model.model.to(accelerator.device).train()
+    model.model.to(accelerator.device, dtype=torch.bfloat16 if config.weights_dtype == "bfloat16" else None).train()
     scaffold = Scaffold(
         model.tokenizer,
         explanation_budget=config.explanation_budget,
@@ -534,22 +561,34 @@ def train(
         write_json(out / "train_config.json", config.model_dump(mode="json"))
     accelerator.wait_for_everyone()
 
+    world, rank = accelerator.num_processes, accelerator.process_index
     prepare_memory(model, config)
-    trained = [p for p in model.model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay)
+    sharded = config.sharding == "fsdp" and world > 1
+    if config.sharding == "fsdp" and not sharded:
+        say("sharding: fsdp with one process: nothing to shard, the run holds the whole model")
+    if sharded:
+        shard_model(model.model, world, accelerator.device)
+    optimizer = make_optimizer(model.model, config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
     start = 0
     if checkpoint:
-        optimizer.load_state_dict(optimizer_state(checkpoint.path))
+        saved = optimizer_state(checkpoint.path)
+        if sharded:
+            load_optimizer_state(model.model, optimizer, saved)
+        else:
+            optimizer.load_state_dict(saved)
         scheduler.load_state_dict(scheduler_state(checkpoint.path))
         start = checkpoint.step
         say(f"resuming from {checkpoint.path.name} (step {start})")
     if resume and accelerator.is_main_process:
         _truncate_log(out, start)
-    # The scheduler is not prepared: accelerate's would step it once per process at every optimizer step.
-    model.model, optimizer = accelerator.prepare(model.model, optimizer)
+    # The scheduler is not prepared: accelerate's would step it once per process at every optimizer step. A
+    # sharded model is not either: FSDP already averages its gradients over the processes.
+    if sharded:
+        optimizer = accelerator.prepare(optimizer)
+    else:
+        model.model, optimizer = accelerator.prepare(model.model, optimizer)
 
-    world, rank = accelerator.num_processes, accelerator.process_index
     # Data parallel: each process averages over the whole batch's tokens and scales by the processes, whose
     # gradients DDP averages, so that a step equals one process's over the whole batch.
     shared = global_token_counts(accelerator) if world > 1 else None
@@ -585,6 +624,7 @@ def train(
             raise _stop(done, problem, out)
         accelerator.backward(parts.total * world if shared is not None and jacobi is None else parts.total)
         norm = accelerator.clip_grad_norm_(model.model.parameters(), config.grad_clip)
+        norm = full_value(norm) if norm is not None else None
         if norm is not None and not torch.isfinite(torch.as_tensor(norm)).all():
             raise _stop(done, f"the gradient norm is {float(norm)} (the loss is {parts.total.item()})", out)
         optimizer.step()
@@ -620,22 +660,29 @@ def train(
             if accelerator.is_main_process:
                 _append_log(out, {"step": done, **metrics})
         if done % config.validate_every == 0 or done == config.steps:
-            last_validation = validate(model, collator, val_samples, config, ade_samples=config.validation_samples)
+            last_validation = validate(model, collator, val_samples, config, config.validation_samples, sharded)
             if accelerator.is_main_process:
                 _append_log(out, {"step": done, **last_validation})
             metrics |= last_validation
-        if (done % config.checkpoint_every == 0 or done == end) and accelerator.is_main_process:
-            state = {"preset": config.name, "run": record}
-            save_checkpoint(out, done, model, optimizer, scheduler, state, config.keep_checkpoints)
+        if done % config.checkpoint_every == 0 or done == end:
+            # A sharded run's state is gathered whole on the main process: every process takes part.
+            whole = gathered_model(model.model) if sharded else None
+            moments = gathered_optimizer_state(model.model, optimizer.optimizer) if sharded else optimizer.state_dict()
+            if accelerator.is_main_process:
+                state = {"preset": config.name, "run": record}
+                save_checkpoint(out, done, model, moments, scheduler, state, config.keep_checkpoints, whole)
         accelerator.wait_for_everyone()
         if on_step and accelerator.is_main_process:
             on_step(done, config.steps, metrics)
 
     final = out / "final"
-    if end == config.steps and accelerator.is_main_process:
+    if end == config.steps and sharded:
+        whole = gathered_model(model.model, getattr(torch, config.final_dtype))
+        if accelerator.is_main_process:
+            save_model(model, final, whole)
+    elif end == config.steps and accelerator.is_main_process:
         model.model = accelerator.unwrap_model(model.model)
-        if config.final_dtype == "bfloat16":  # training is over: the master weights are no longer needed
-            model.model.to(torch.bfloat16)
+        model.model.to(getattr(torch, config.final_dtype))  # training is over: bf16 drops the master weights
         save_model(model, final)
     seconds = time.perf_counter() - began
     return TrainReport(out, end, start, seconds, (end - start) / seconds if seconds else 0.0, final, last_validation)

@@ -1,13 +1,15 @@
 """What a training run holds per process, estimated before it starts (issue 36).
 
-Per process: the parameters (float32 master weights, plus the bf16 copies autocast keeps while a step runs),
-their gradients and AdamW's two moments (of the trainable parameters), divided by the processes when they are
-sharded (FSDP full shard); and per sample of the batch, the logits (bf16 or float32, their float32 copy in the
-cross-entropy and its gradient, at every position of the packed sequence) and the activations the backward pass
-keeps: per decoder layer about 10 hidden-size and 4 intermediate-size values a position and the attention
-scores (heads x positions a position), or with gradient checkpointing one hidden-size value a layer plus one
-layer's full set. A sample's positions are its image tokens (28 x 28 pixels each), its prompt text and its
-answer once per stream (SASD: the clean stream and two noisy copies).
+Per process: the parameters (float32 master weights, plus the bf16 copies autocast keeps while a step runs; or
+bf16 weights alone), their gradients (in the weights' dtype) and AdamW's two float32 moments (of the trainable
+parameters), divided by the processes when they are sharded (FSDP full shard, which also holds the parameters
+outside the decoder layers and vision blocks gathered whole while a step runs); and per sample of the batch,
+the logits (bf16 or float32, their float32 copy in the cross-entropy and its gradient, at every position of
+the packed sequence) and the activations the backward pass keeps: per decoder layer about 10 hidden-size and 4
+intermediate-size values a position and the attention scores (heads x positions a position), or with gradient
+checkpointing one hidden-size value a layer plus one layer's full set. A sample's positions are its image
+tokens (28 x 28 pixels each), its prompt text and its answer once per stream (SASD: the clean stream and two
+noisy copies).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class ModelShape:
 
     parameters: int
     trainable: int
+    outside_blocks: int  # parameters outside the decoder layers and vision blocks (FSDP's root unit)
     vocab: int
     hidden: int
     intermediate: int
@@ -86,9 +89,12 @@ def model_shape(config: TrainConfig) -> ModelShape:
     visual = getattr(getattr(model, "model", None), "visual", None)
     frozen = sum(p.numel() for p in visual.parameters()) if config.freeze_vision and visual is not None else 0
     text = model.config.get_text_config()
+    blocks = set(getattr(model, "_no_split_modules", None) or [])
+    in_blocks = sum(p.numel() for m in model.modules() if type(m).__name__ in blocks for p in m.parameters())
     return ModelShape(
         parameters,
         parameters - frozen,
+        parameters - in_blocks,
         text.vocab_size,
         text.hidden_size,
         text.intermediate_size,
@@ -119,8 +125,13 @@ def estimate_training_memory(
     share = processes if sharded else 1
     bf16 = config.mixed_precision == "bf16"
     activation = 2 if bf16 else 4
-    parameters = 4 * shape.parameters // share + (2 * shape.parameters // share if bf16 else 0)
-    gradients = 4 * shape.trainable // share
+    if config.weights_dtype == "bfloat16":
+        weight, parameters = 2, 2 * shape.parameters // share
+    else:
+        weight, parameters = 4, 4 * shape.parameters // share + (2 * shape.parameters // share if bf16 else 0)
+    if sharded:
+        parameters += weight * shape.outside_blocks * (processes - 1) // processes
+    gradients = weight * shape.trainable // share
     optimizer = 8 * shape.trainable // share
     streams = {"ar": 1, "sasd": 3, "jf": 2}[config.recipe]
     answer = config.explanation_budget + ANSWER_SCAFFOLD_TOKENS
