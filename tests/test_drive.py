@@ -5,6 +5,7 @@ Stub planners stand in for the model wherever the model is not the point; the em
 """
 
 import json
+import math
 from itertools import pairwise
 
 import numpy as np
@@ -19,7 +20,7 @@ from fastddrive.drive import DriveError
 from fastddrive.drive.closed_loop import HANDOVER_S, RECORD_S, drive_episode
 from fastddrive.drive.controller import TrackingController
 from fastddrive.drive.latency import Latency, LatencyError
-from fastddrive.drive.metrics import driving_score, lead_ttc_s
+from fastddrive.drive.metrics import driving_score, lead_ttc_s, ttc_violation_flags
 from fastddrive.drive.plan import TimedPath
 from fastddrive.drive.policies import DecoderPolicy, ExpertPolicy
 from fastddrive.drive.run import check_settings, run_drive
@@ -79,7 +80,7 @@ def test_expert_in_the_loop_reproduces_its_own_episode():
     np.testing.assert_allclose(np.array(own.position_m), expert[: len(own.position_m)], atol=1e-9)
     looped = drive_episode("highway", seed, ExpertPolicy(0.5), lambda p: 0.0, duration_s=duration)
     n = len(looped.position_m)
-    assert looped.end_reason == "goal" == own.end_reason and n > 12 and len(looped.plans) == n // 2
+    assert looped.end_reason == "timeout" == own.end_reason and n > 12 and len(looped.plans) == n // 2
     gap = np.array(looped.position_m) - expert[:n]
     assert np.linalg.norm(gap, axis=1).max() < 1.5
     assert np.abs(gap[:, 1]).max() < 0.3  # the highway runs along +x: y is sideways
@@ -166,6 +167,15 @@ def test_metrics_score_and_time_to_collision():
     positions = np.array([[20.0, 0.5], [0.0, 3.5], [-10.0, 0.0]])
     ttc = lead_ttc_s(positions, np.array([10.0, 0.0, 30.0]), np.array([[5.0, 2.0]] * 3), 15.0, (5.0, 2.0))
     assert ttc == pytest.approx(3.0)
+    # A car crossing the ego's road 10 m ahead, 4 m/s sideways, is out of the path before the gap closes.
+    crossing = np.array([[10.0, 0.0]]), np.array([0.0]), np.array([[5.0, 2.0]]), 10.0, (5.0, 2.0)
+    assert lead_ttc_s(*crossing) == pytest.approx(0.5)
+    assert lead_ttc_s(*crossing, np.array([4.0])) == math.inf
+    assert lead_ttc_s(*crossing, np.array([0.5])) == pytest.approx(0.5)  # still in the way after 0.5 s
+    # Braking for it is a response, not a violation: only the records without braking count.
+    speeds = np.array([10.0, 10.0, 9.0, 8.0, 8.0])
+    flags = ttc_violation_flags(np.array([5.0, 1.0, 1.0, 1.0, 1.0]), speeds, 0.25)
+    assert flags.tolist() == [False, True, False, False, True]
 
 
 def test_run_survives_a_crash_keeps_results_on_ctrl_c_and_resumes(tmp_path):

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
 
 from fastddrive.cli.common import console, data_app, progress_bar, user_errors
+
+if TYPE_CHECKING:
+    from fastddrive.data.build import BuildReport
 
 MAX_EXPLANATION_BUDGET = 4096  # tokens: the scaffold holds that many positions for the explanation
 
@@ -67,10 +71,25 @@ def data_highway(
     ] = False,
 ) -> None:
     """Simulate seeded highway-env episodes with the IDM/MOBIL expert and write a dataset."""
-    from fastddrive.data.build import WORKER_DIED, EpisodeResult, build_dataset, build_folder
+    from fastddrive.data.build import build_dataset
+
+    names = [s.strip() for s in scenarios.split(",") if s.strip()]
+    _build_episodes(
+        out,
+        overwrite,
+        workers,
+        lambda on_start, on_episode, on_problem: build_dataset(
+            out, episodes, seed, names, workers, overwrite, on_start, on_episode, on_problem=on_problem
+        ),
+    )
+
+
+def _build_episodes(out: Path, overwrite: bool, workers: int, build: Callable[..., BuildReport]) -> None:
+    """Run `build(on_start, on_episode, on_problem)` (data/build.py's callbacks) with a progress bar and ETA, and
+    report the episodes written, resumed and failed (exit 1) or an interrupt (exit 130)."""
+    from fastddrive.data.build import WORKER_DIED, EpisodeResult, build_folder
 
     with user_errors(), _Counter("episodes") as counter:
-        names = [s.strip() for s in scenarios.split(",") if s.strip()]
         written = {"samples": 0, "failed": 0}
         into = build_folder(out, overwrite)
         where = str(out) if into == out else f"the replacement being built in {into} ({out} is unchanged)"
@@ -93,16 +112,10 @@ def data_highway(
             counter.advance(note)
 
         try:
-            report = build_dataset(
-                out,
-                episodes,
-                seed,
-                names,
-                workers,
-                overwrite,
+            report = build(
                 on_start,
                 on_episode,
-                on_problem=lambda problem: console.print(f"rebuilding {problem}", markup=False, highlight=False),
+                lambda problem: console.print(f"rebuilding {problem}", markup=False, highlight=False),
             )
         except KeyboardInterrupt:
             counter.stop()
@@ -122,6 +135,90 @@ def data_highway(
             highlight=False,
         )
         raise typer.Exit(1)
+
+
+@data_app.command("dagger")
+def data_dagger(
+    out: Annotated[Path, typer.Option(help="Output dataset folder.")],
+    model: Annotated[
+        str, typer.Option(help="The planner that drives: 'default', 'default-ar', 'default-jf' or a model folder.")
+    ] = "default",
+    decoder: Annotated[str, typer.Option(help="Its decoder, options as sd:tau=0.0.")] = "ss",
+    episodes: Annotated[int, typer.Option(help="Number of episodes (one shard each), 1 to 100000.")] = 100,
+    seed: Annotated[
+        int, typer.Option(help="Base seed, 0 to 92233720368546; episode i uses seed * 100000 + i (a 64-bit seed).")
+    ] = 1,
+    scenarios: Annotated[str, typer.Option(help="Comma-separated scenarios.")] = (
+        "highway,merge,exit,roundabout,intersection"
+    ),
+    workers: Annotated[
+        int, typer.Option(help="Worker processes (each loads the model), 1 to twice the CPUs this process may use.")
+    ] = 1,
+    replan_s: Annotated[
+        float,
+        typer.Option("--replan-s", help="Simulated seconds between questions (a multiple of 0.25, at most 5)."),
+    ] = 0.5,
+    duration_s: Annotated[
+        float | None,
+        typer.Option(
+            "--duration-s", help="Episode length in simulated seconds, over 3.25 and at most 300 (default 40, 25)."
+        ),
+    ] = None,
+    latency: Annotated[
+        str, typer.Option(help="zero or fixed:MS (0 to 60000), charged to the simulation clock as in `drive`.")
+    ] = "zero",
+    device: Annotated[str, typer.Option(help="cpu, cuda, ...")] = "cpu",
+    overwrite: Annotated[
+        bool, typer.Option(help="Replace an existing dataset in --out (built beside it, swapped in once complete).")
+    ] = False,
+) -> None:
+    """DAgger's data: the planner drives seeded episodes; each state it is asked about becomes a sample with the
+    frame, history and command it saw and the expert's answer from there (its 5 s rollout, the data's labels).
+    Merge it with the data so far (`data merge`) and retrain: one DAgger round (docs/training.md)."""
+    from fastddrive.drive.dagger import build_dagger, check_dagger_settings
+
+    with user_errors():
+        settings = check_dagger_settings(
+            model=model,
+            decoder=decoder,
+            episodes=episodes,
+            seed=seed,
+            scenarios=scenarios,
+            replan_s=replan_s,
+            duration_s=duration_s,
+            latency=latency,
+            device=device,
+            workers=workers,
+        )
+    _build_episodes(
+        out,
+        overwrite,
+        workers,
+        lambda on_start, on_episode, on_problem: build_dagger(
+            out, settings, workers, overwrite, on_start, on_episode, on_problem
+        ),
+    )
+
+
+@data_app.command("merge")
+def data_merge(
+    sources: Annotated[list[Path], typer.Argument(help="Two or more dataset folders.")],
+    out: Annotated[Path, typer.Option(help="Output dataset folder: their union.")],
+    overwrite: Annotated[
+        bool, typer.Option(help="Replace an existing dataset in --out (swapped in once the merge is whole).")
+    ] = False,
+) -> None:
+    """The union of data sets as one (DAgger's aggregate D <- D u D_i): every shard copied, checked, into its split;
+    refused if a source is incomplete or damaged, or two sources hold the same sample."""
+    from fastddrive.data.merge import merge_datasets
+
+    with user_errors(), _Counter("shards") as counter:
+        report = merge_datasets(sources, out, overwrite, on_start=counter.total, on_shard=lambda _: counter.advance())
+    counts = ", ".join(f"{split} {n}" for split, n in report.samples.items())
+    console.print(
+        f"merged {sum(report.samples.values())} samples ({counts}) from {len(sources)} data sets, {report.shards} "
+        f"shards, in {report.seconds:.1f} s to {out}"
+    )
 
 
 @data_app.command("verify")

@@ -31,7 +31,10 @@ def drive_command(
     ] = 7,
     latency: Annotated[
         str,
-        typer.Option(help="measured, zero, fixed:MS, or fixed:ar=MS,ss=MS,... one value per decoder (MS: 0 to 60000)."),
+        typer.Option(
+            help="measured, zero, fixed:MS, or fixed:ar=MS,ss=MS,... one value per decoder (MS: 0 to 60000); "
+            "sweep:MS,MS,... drives the episodes once per value, charged to every decoder."
+        ),
     ] = "measured",
     replan_s: Annotated[
         float, typer.Option("--replan-s", help="Simulated seconds between questions (a multiple of 0.25, at most 5).")
@@ -51,20 +54,36 @@ def drive_command(
     ] = Path("runs/drive"),
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the rows as JSON.")] = None,
     video: Annotated[Path | None, typer.Option(help="Write one GIF per episode into this folder.")] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(help="Write a PNG: driving score and collision rate against the latency charged, per decoder."),
+    ] = None,
+    mark: Annotated[
+        str | None,
+        typer.Option(help="With --plot: mark these latencies, ar=MS,ss=MS,..., instead of the measured times."),
+    ] = None,
+    side_by_side: Annotated[
+        str | None,
+        typer.Option(help="With --video: also one GIF per episode of these two planners side by side, as ar,ss."),
+    ] = None,
 ) -> None:
     """Closed-loop driving in highway-env, each decoder's latency charged to the simulation clock.
 
-    Every setting and the places written (--out, --video, --json) are checked before anything is loaded or
-    driven; an episode that fails is reported, the others complete, and the exit status is 1."""
+    Every setting and the places written (--out, --video, --json, --plot) are checked before anything is loaded
+    or driven; an episode that fails is reported, the others complete, and the exit status is 1."""
     from fastddrive.core.outputs import check_file_destination, write_json
-    from fastddrive.drive.run import check_settings, run_drive, title
+    from fastddrive.drive import DriveError
+    from fastddrive.drive.latency import parse_named_ms
     from fastddrive.drive.summary import rows_table, scenario_table
+    from fastddrive.drive.sweep import check_pair, check_sweep, run_sweep, side_by_side_videos
+    from fastddrive.drive.video import SIDE_BY_SIDE
     from fastddrive.engine.model_files import model_path
 
     with user_errors():
-        if json_out is not None:
-            check_file_destination(json_out, "--json", suffixes=(".json",), inputs=(model_path(model),), owned=(out,))
-        settings = check_settings(
+        for option, path, suffix in (("--json", json_out, ".json"), ("--plot", plot, ".png")):
+            if path is not None:
+                check_file_destination(path, option, suffixes=(suffix,), inputs=(model_path(model),), owned=(out,))
+        runs = check_sweep(
             model=model,
             decoders=decoders,
             scenarios=scenarios,
@@ -78,14 +97,23 @@ def drive_command(
             out=out,
             video=video,
         )
+        if mark is not None and plot is None:
+            raise DriveError("--mark needs --plot: it marks latencies on the latency curve")
+        marks = None if mark is None else parse_named_ms(mark, list(runs[0].decoders), f"--mark {mark!r}")
+        pair = None if side_by_side is None else check_pair(side_by_side, runs[0])
     progress = progress_bar()
     task = progress.add_task("episodes", total=None, note="")
     failed = []
 
-    def on_start(todo: int, done: int) -> None:
+    def on_start(settings, todo: int, done: int) -> None:
+        where = "episodes"
+        if len(runs) > 1:  # a sweep: which latency is being driven
+            where = (
+                f"latency {settings.latency.describe(settings.decoders[0])} ({runs.index(settings) + 1}/{len(runs)})"
+            )
         if done:
-            console.print(f"resuming: {done} episode(s) already driven in {out}")
-        progress.update(task, total=todo)
+            progress.console.print(f"resuming: {done} episode(s) already driven in {out} ({where})")
+        progress.update(task, description=where, total=todo, completed=0)
         progress.start()
 
     def on_episode(outcome) -> None:
@@ -99,16 +127,23 @@ def drive_command(
 
     try:
         with user_errors():
-            report = run_drive(settings, on_start=on_start, on_episode=on_episode)
+            report = run_sweep(runs, on_start=on_start, on_episode=on_episode)
     except KeyboardInterrupt:
         progress.stop()
         console.print(f"interrupted: finished episodes are kept in {out}; rerun the same command to resume")
         raise typer.Exit(130) from None
     finally:
         progress.stop()
-    console.print(rows_table(report.rows, title(settings)))
-    console.print(scenario_table(report.rows))
+    console.print(rows_table(report.rows, report.title))  # it has a latency column
+    console.print(scenario_table(report.shown_rows))
     console.print(f"{report.seconds:.0f} s; wrote {report.summary_png}" + (f" and GIFs in {video}" if video else ""))
+    if pair is not None:
+        videos = side_by_side_videos(report, pair)
+        console.print(f"wrote {len(videos)} side-by-side video(s) of {pair[0]} and {pair[1]} in {video / SIDE_BY_SIDE}")
+    if plot is not None:
+        from fastddrive.drive.latency_curve import draw_latency_curve
+
+        console.print(f"wrote {draw_latency_curve(report.rows, plot, marks, title=report.title)}")
     if json_out is not None:
         write_json(json_out, report.to_json())
         console.print(f"wrote {json_out}")

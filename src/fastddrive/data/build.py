@@ -26,6 +26,9 @@ exactly as it resumes `--out` itself (settings changed since: it starts over). T
 the work ends; interrupted, it is removed (or, after a kill, removed by the next run) and `--out` is as it was.
 A conversion with failed records does not replace a complete data set (it would lose samples): it is dropped
 and the old one kept.
+
+`build_episodes` is that machinery for any plan of episodes, settings and episode runner: the closed-loop
+DAgger collection (drive/dagger.py) writes its data sets through it.
 """
 
 from __future__ import annotations
@@ -415,7 +418,7 @@ def build_dataset(
     """
     from fastddrive.data.highway import check_scenarios
 
-    check_scenarios(scenarios)
+    scenarios = check_scenarios(scenarios)
     check_build_settings(episodes, seed, workers)
     out = Path(out)
     check_folder_destination(out, "--out", owned=(out,))
@@ -424,8 +427,30 @@ def build_dataset(
         raise ValueError(f"unknown split {unknown[0]!r} for raters; known: {', '.join(SPLITS)}")
     jobs = plan_episodes(episodes, seed, scenarios, rater_splits)
     settings = _settings(episodes, seed, scenarios, rater_splits)
+    return build_episodes(
+        out, jobs, settings, episode or run_episode, workers, overwrite, on_start, on_episode, on_problem
+    )
+
+
+def build_episodes(
+    out: str | Path,
+    jobs: list[EpisodeJob],
+    settings: dict[str, object],
+    run: EpisodeRunner,
+    workers: int = 1,
+    overwrite: bool = False,
+    on_start: Callable[[int, int], None] | None = None,
+    on_episode: Callable[[EpisodeResult], None] | None = None,
+    on_problem: Callable[[str], None] | None = None,
+) -> BuildReport:
+    """Write (or resume, or repair) the data set of `jobs` in `out`, one shard per job made by `run(root, job)`
+    in up to `workers` processes (`run` must then be picklable: worker processes import it by name), as
+    `build_dataset` does for the simulator's own episodes (its docstring): `settings` are recorded in the
+    manifest, and a data set in `out` with other settings is refused. Other episode sources (the DAgger
+    collection) build through it with their own jobs, settings and runner."""
+    out = Path(out)
+    check_folder_destination(out, "--out", owned=(out,))
     manifest = prepare_output(out, settings, overwrite, refuse_complete=False)
-    run = episode or run_episode
     staging = build_folder(out, overwrite)
     if staging == out:  # nothing to replace: build (or resume) in place
         return _build_into(out, jobs, settings, manifest, workers, run, on_start, on_episode, on_problem)

@@ -21,6 +21,14 @@ from fastddrive.core.schema import DrivingResponse
 from fastddrive.data import labels as rules
 from fastddrive.data.expert import STEP_HZ, ExpertVehicle
 from fastddrive.data.raters import RaterSet, rate
+from fastddrive.data.reactive import (
+    IDM_COMFORT_ACC_MPS2,
+    IDM_TIME_WANTED_S,
+    stage_closing_gap,
+    stage_cut_in,
+    stage_late_stop,
+    stage_lead_brake,
+)
 
 # isort: split
 # After data.expert has made pygame draw offscreen.
@@ -39,12 +47,15 @@ AGENT_RADIUS_M = 80.0
 
 @dataclass(frozen=True)
 class Scenario:
-    """A highway-env environment, its settings, and the expert's desired-speed range (m/s)."""
+    """A highway-env environment, its settings, the expert's desired-speed range (m/s), and for a staged
+    scenario the function that stages it once the expert has the seat (data/reactive.py)."""
 
     env_id: str
     config: dict[str, Any]
     max_duration_s: float
     expert_speed_mps: tuple[float, float] | None = None
+    stage: Callable[[Any, ExpertVehicle, np.random.Generator], None] | None = None
+    idm: dict[str, float] = field(default_factory=dict)  # IDM class settings for the episode's drivers
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -56,6 +67,26 @@ SCENARIOS: dict[str, Scenario] = {
     "roundabout": Scenario("roundabout-v0", {}, 40.0),
     "intersection": Scenario("intersection-v0", {"destination": None}, 25.0),
 }
+# The scenarios of the data and of `fastddrive drive` by default: the five above (their episode seeds, 5 j + s,
+# predate the staged ones).
+DEFAULT_SCENARIOS = tuple(SCENARIOS)
+_EMPTY_ROAD = {"vehicles_count": 0, "vehicles_density": 0.0}
+# Shorter headways, and no lane changes: the expert answers these events by braking.
+_REACTIVE_IDM = {
+    "TIME_WANTED": IDM_TIME_WANTED_S,
+    "COMFORT_ACC_MAX": IDM_COMFORT_ACC_MPS2,
+    "LANE_CHANGE_MIN_ACC_GAIN": 1e3,
+}
+REACTIVE_SCENARIOS: dict[str, Scenario] = {
+    "lead-brake": Scenario(
+        "highway-v0", {**_EMPTY_ROAD, "lanes_count": 1}, 12.0, None, stage_lead_brake, _REACTIVE_IDM
+    ),
+    "cut-in": Scenario("highway-v0", {**_EMPTY_ROAD, "lanes_count": 2}, 12.0, None, stage_cut_in, _REACTIVE_IDM),
+    "closing-gap": Scenario("merge-v0", {}, 12.0, None, stage_closing_gap, _REACTIVE_IDM),
+    "late-stop": Scenario("highway-v0", {**_EMPTY_ROAD, "lanes_count": 2}, 12.0, None, stage_late_stop, _REACTIVE_IDM),
+}
+SCENARIOS |= REACTIVE_SCENARIOS
+SCENARIO_GROUPS = {"reactive": tuple(REACTIVE_SCENARIOS)}  # a name for several scenarios on the command line
 ROUNDABOUT_EXITS = ("exr", "nxr", "wxr", "sxr")
 
 
@@ -64,12 +95,14 @@ class UnknownScenario(ValueError):
 
 
 def check_scenarios(names: list[str]) -> list[str]:
-    unknown = [n for n in names if n not in SCENARIOS]
+    """The scenarios `names` stands for (a group name expands to its scenarios, in order)."""
+    known = f"known: {', '.join([*SCENARIOS, *SCENARIO_GROUPS])}"
+    unknown = [n for n in names if n not in SCENARIOS and n not in SCENARIO_GROUPS]
     if unknown:
-        raise UnknownScenario(f"unknown scenario {unknown[0]!r}; known: {', '.join(SCENARIOS)}")
+        raise UnknownScenario(f"unknown scenario {unknown[0]!r}; {known}")
     if not names:
-        raise UnknownScenario(f"no scenario given; known: {', '.join(SCENARIOS)}")
-    return names
+        raise UnknownScenario(f"no scenario given; {known}")
+    return [s for n in names for s in SCENARIO_GROUPS.get(n, (n,))]
 
 
 @dataclass
@@ -114,14 +147,17 @@ class EpisodeLog:
 
 # highway-env's intersection sets these on the IDMVehicle class itself, so they would leak into every
 # later episode of the process (and a dataset would depend on which episodes shared a worker).
-IDM_CLASS_DEFAULTS = {k: getattr(IDMVehicle, k) for k in ("DISTANCE_WANTED", "COMFORT_ACC_MAX", "COMFORT_ACC_MIN")}
+IDM_CLASS_DEFAULTS = {
+    k: getattr(IDMVehicle, k)
+    for k in ("DISTANCE_WANTED", "TIME_WANTED", "COMFORT_ACC_MAX", "COMFORT_ACC_MIN", "LANE_CHANGE_MIN_ACC_GAIN")
+}
 
 
 def make_env(scenario: str) -> gym.Env:
     """A fresh environment of `scenario` whose traffic starts from highway-env's default IDM settings."""
-    for name, value in IDM_CLASS_DEFAULTS.items():
-        setattr(IDMVehicle, name, value)
     spec = SCENARIOS[scenario]
+    for name, value in {**IDM_CLASS_DEFAULTS, **spec.idm}.items():
+        setattr(IDMVehicle, name, value)
     config = {
         **spec.config,
         "simulation_frequency": SIMULATION_HZ,
@@ -168,7 +204,11 @@ def seeded_episode(scenario: str, seed: int) -> Iterator[tuple[gym.Env, Any, Exp
     env = make_env(scenario)
     try:
         env.reset(seed=seed)
-        yield env, env.unwrapped, install_expert(env, SCENARIOS[scenario], np.random.default_rng(seed))
+        rng = np.random.default_rng(seed)
+        expert = install_expert(env, SCENARIOS[scenario], rng)
+        if SCENARIOS[scenario].stage is not None:
+            SCENARIOS[scenario].stage(env.unwrapped, expert, rng)
+        yield env, env.unwrapped, expert
     finally:
         env.close()
 
@@ -212,7 +252,8 @@ def vehicle_state(vehicle: Any) -> VehicleState:
     )
 
 
-def _lane_change(expert: IDMVehicle, previous: tuple, current: tuple) -> int:
+def lane_change(expert: IDMVehicle, previous: tuple, current: tuple) -> int:
+    """+1 if the step from lane `previous` to `current` is a change to the left, -1 to the right, else 0."""
     if previous[:2] != current[:2] or previous[2] == current[2]:
         return 0
     net = expert.road.network
@@ -222,7 +263,7 @@ def _lane_change(expert: IDMVehicle, previous: tuple, current: tuple) -> int:
     return 1 if lateral < 0 else -1  # lateral grows to the driver's right in highway-env
 
 
-def _end_of_road(expert: IDMVehicle, planned: bool) -> bool:
+def end_of_road(expert: IDMVehicle, planned: bool) -> bool:
     """The lane ends with no road after it, or with the planned route used up.
 
     (The intersection's graph loops back into the junction: past its route the expert would wander.)
@@ -266,7 +307,7 @@ def simulate_episode(
             step = Step(
                 time_s=float(sim.time),
                 ego=vehicle_state(expert),
-                lane_change=_lane_change(expert, lane, expert.lane_index),
+                lane_change=lane_change(expert, lane, expert.lane_index),
                 yielding=bool(getattr(expert, "is_yielding", False)),
                 route_turn_rad=route_turn_rad(expert),
                 lane_heading=float(expert.lane.heading_at(expert.lane.local_coordinates(expert.position)[0])),
@@ -281,7 +322,7 @@ def simulate_episode(
             if expert.crashed:
                 log.end_reason = "crash"
                 break
-            if _end_of_road(expert, planned):
+            if end_of_road(expert, planned):
                 log.end_reason = "end_of_road"
                 break
             if sim.time >= duration - 1e-9:

@@ -12,9 +12,12 @@ for the simulator's own ego dynamics.
     route.py        the scenario's route and goal, progress along it
     closed_loop.py  one episode
     metrics.py      rates, comfort, time to collision, the driving score (pure functions)
-    video.py        one episode as a GIF
+    video.py        one episode as a GIF, two side by side
     summary.py      rows per planner, the table and the PNG
     run.py          settings, the episodes of a run, resumable results on disk
+    sweep.py        the same episodes under several charged latencies, side-by-side videos
+    latency_curve.py  driving score and collision rate against latency (PNG)
+    dagger.py       closed-loop training data: the planner drives, the expert labels (DAgger)
 
 The entry point is `fastddrive.drive.run.run_drive`.
 """

@@ -9,7 +9,9 @@ that), the plan in force being followed meanwhile. Until the first answer arrive
 hand-over velocity (a constant-velocity plan): a slow decoder pays for its first answer as for the others.
 
 The episode ends on a collision, off the road (the ego's centre outside the nearest lane, sideways), at
-the route's goal, or at the scenario's duration. The state is recorded every 0.25 s.
+the route's end (a planned route's), or at the scenario's duration; route completion counts progress up to
+the goal, how far the expert gets in the episode's time (route.py).
+The state is recorded every 0.25 s.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from fastddrive.data.highway import (
     seeded_episode,
     vehicle_state,
 )
+from fastddrive.data.raters import simulator_copy
 from fastddrive.drive.controller import TrackingController
 from fastddrive.drive.metrics import lead_ttc_s
 from fastddrive.drive.plan import TimedPath, to_ego
@@ -152,9 +155,11 @@ class EpisodeTrace:
 
 
 def _off_road(car: Vehicle) -> bool:
-    """The ego's centre is outside the nearest lane, sideways (past a road's end the world just stops)."""
+    """The whole car is outside the nearest lane, sideways: its centre more than half a lane and half a car
+    from the lane's middle (past a road's end the world just stops). A car whose wheels cross a lane's edge
+    as it takes a curved exit is still on the road."""
     along, across = car.lane.local_coordinates(car.position)
-    return bool(abs(across) > car.lane.width_at(along) / 2)
+    return bool(abs(across) > (car.lane.width_at(along) + car.WIDTH) / 2)
 
 
 def _ttc_s(sim: Any, car: Vehicle) -> float:
@@ -165,7 +170,7 @@ def _ttc_s(sim: Any, car: Vehicle) -> float:
     positions = to_ego(np.array([v.position for v in others]), car.position, heading)
     velocities = to_ego(np.array([v.velocity for v in others]), np.zeros(2), heading)
     sizes = np.array([(v.LENGTH, v.WIDTH) for v in others])
-    return lead_ttc_s(positions, velocities[:, 0], sizes, car.speed, (car.LENGTH, car.WIDTH))
+    return lead_ttc_s(positions, velocities[:, 0], sizes, car.speed, (car.LENGTH, car.WIDTH), velocities[:, 1])
 
 
 def _plans_shown(car: Vehicle, now: float) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -177,13 +182,29 @@ def _plans_shown(car: Vehicle, now: float) -> tuple[np.ndarray | None, np.ndarra
     return None if k is None else car.plans[k][1].points_m, due[0].points_m if due else None
 
 
-def _end_reason(car: Vehicle, at_goal: bool, out_of_time: bool) -> str:
-    """Why the episode ends here ('' while it goes on); a crash counts before the rest."""
+def _end_reason(car: Vehicle, at_end: bool, out_of_time: bool) -> str:
+    """Why the episode ends here ('' while it goes on); a crash counts before the rest, and the route's end
+    before leaving the road (past it, a junction's next road may turn away under the car)."""
     if car.crashed:
         return "collision"
-    if _off_road(car):
-        return "offroad"
-    return "goal" if at_goal else "timeout" if out_of_time else ""
+    if at_end:
+        return "goal"
+    return "offroad" if _off_road(car) else "timeout" if out_of_time else ""
+
+
+def expert_goal_m(sim: Any, route: Route, duration_s: float) -> float:
+    """How far along `route` the expert in the seat gets by `duration_s`, or until its episode would end (a
+    crash, leaving the road, the route's end), driving from here in a copy of the simulator: the episode's
+    goal (route.py)."""
+    world = simulator_copy(sim)
+    idle = world.action_type.actions_indexes["IDLE"]
+    progress = route.progress_m(world.vehicle.position, 0.0)
+    while world.time < duration_s - _EPS and progress < route.end_m:
+        world.step(idle)
+        if world.vehicle.crashed or _off_road(world.vehicle):
+            break
+        progress = route.progress_m(world.vehicle.position, progress)
+    return progress
 
 
 def _next_ask_s(asked_s: float, due_s: float, replan_s: float) -> float:
@@ -213,6 +234,7 @@ def drive_episode(
             sim.step(idle)
             egos.append(vehicle_state(expert))
         route = Route.ahead_of(expert, duration - sim.time)
+        route = route.with_goal(expert_goal_m(sim, route, duration))
         label = EXPERT_DRIVES if policy is None else policy.label
         pixels_per_metre, ego_pixel = frame_geometry(sim)
         trace = EpisodeTrace(scenario, seed, label, route.goal_m, pixels_per_metre=pixels_per_metre)
@@ -238,7 +260,9 @@ def drive_episode(
             if video:
                 trace.frames.append(env.render())
                 trace.overlays.append(_plans_shown(car, now))
-            trace.end_reason = _end_reason(car, progress >= route.goal_m, now >= duration - _EPS)
+            # Only the route's end ends the episode early: a car past the expert's mark still has to drive on
+            # (the expert's mark may lie just short of a stopped car).
+            trace.end_reason = _end_reason(car, progress >= route.end_m, now >= duration - _EPS)
             if trace.end_reason:
                 break
             if policy is not None and now >= ask_s - _EPS:

@@ -79,7 +79,9 @@ class TimedPath:
     def accel_mps2(self, time_s: float) -> float:
         """The plan's longitudinal acceleration at `time_s` (the speed controller's feed-forward)."""
         mids, speeds = self._segment_speeds()
-        if time_s > self.end_s or len(mids) < 2 or not mids[0] <= time_s <= mids[-1]:
+        if time_s > self.end_s or len(mids) < 2:
             return 0.0
-        k = min(int(np.searchsorted(mids, time_s, side="right")) - 1, len(mids) - 2)
+        # Before the first segment's middle the first segment's rate holds: a plan in force the moment it was
+        # asked for (zero latency) would otherwise start every replan without its feed-forward.
+        k = int(np.clip(np.searchsorted(mids, time_s, side="right") - 1, 0, len(mids) - 2))
         return float((speeds[k + 1] - speeds[k]) / (mids[k + 1] - mids[k]))

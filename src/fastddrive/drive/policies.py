@@ -6,8 +6,9 @@ frame, the ego history and the navigation command. The references are the yardst
 - expert-drives: no planner at all, the simulator's IDM/MOBIL driver keeps the seat (the data's own episode;
   closed_loop.drive_episode with no policy);
 - expert-plans: that driver rolled out for 5 s from the current state in a copy of the simulator, its
-  positions at 1..5 s followed like any answer; an oracle (it reads the whole world) whose answers cost no
-  time. Its gap to expert-drives is what 1 s waypoints, replanning and tracking cost by themselves;
+  positions at 1..5 s followed like any answer; an oracle (it reads the whole world, but not the future: the
+  staged events of the reactive scenarios are not foreseen) whose answers cost no time. Its gap to
+  expert-drives is what 1 s waypoints, replanning and tracking cost by themselves;
 - constant-velocity: the current velocity held for 5 s (no turn, no braking), the floor.
 """
 
@@ -22,6 +23,7 @@ from fastddrive.core.metrics import constant_velocity_m
 from fastddrive.core.schema import NUM_WAYPOINTS, WAYPOINT_INTERVAL_S
 from fastddrive.data.expert import STEP_HZ, ExpertVehicle
 from fastddrive.data.raters import simulator_copy
+from fastddrive.data.reactive import ScriptedVehicle
 from fastddrive.drive.plan import to_ego
 from fastddrive.planner import Planner
 
@@ -123,6 +125,9 @@ class ExpertPolicy:
             if np.linalg.norm(v.position - car.position) < ROLLOUT_RADIUS_M
         ]
         world.controlled_vehicles[0] = driver
+        for vehicle in world.road.vehicles:  # a staged event is not foreseen (data/reactive.py)
+            if isinstance(vehicle, ScriptedVehicle):
+                vehicle.unannounced()
         idle = world.action_type.actions_indexes["IDLE"]
         positions = []
         every = round(WAYPOINT_INTERVAL_S * STEP_HZ)

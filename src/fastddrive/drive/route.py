@@ -2,20 +2,23 @@
 
 The route follows the ego's planned route where the scenario gives one (exit, roundabout, intersection) and
 ends where it ends; without one (highway, merge, half of the exits) it follows the road ahead, taking at
-every junction the continuation that turns least. The goal lies at the route's end or GOAL_SPEED_MPS times
-the driving time along it, whichever is nearer: a car that averages 15 m/s (54 km/h) gets there in time.
+every junction the continuation that turns least. The goal is what can be driven in the episode: how far
+along the route the expert gets in the same time, driving from the same hand-over in a copy of the simulator
+(`expert_goal_m`; the route's end if it gets there), so that the expert keeping the seat completes the route
+and no scenario's route is longer than its time allows (issue 37; the CARLA leaderboard's routes are likewise
+made to be finished).
 Progress is the arc length of the route point nearest the ego. It never goes back, and it is searched only
 a little around the last progress, so that a road passing near itself (a roundabout) cannot make it jump.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-GOAL_SPEED_MPS = 15.0
+REACH_SPEED_MPS = 40.0  # the route is built this far ahead per second of driving: farther than any car gets
 SPACING_M = 1.0
 SEARCH_BACK_M, SEARCH_AHEAD_M = 10.0, 60.0
 
@@ -46,7 +49,7 @@ class Route:
     def ahead_of(cls, vehicle: Any, driving_s: float) -> Route:
         """The route of `vehicle` (a highway-env vehicle with a `route`) for `driving_s` of driving."""
         net = vehicle.road.network
-        reach_m = GOAL_SPEED_MPS * driving_s
+        reach_m = REACH_SPEED_MPS * driving_s
         planned = list(vehicle.route or [])
         edges = [r[:2] for r in planned]
         if vehicle.lane_index[:2] in edges:  # else the route's first road is the next one already
@@ -71,7 +74,14 @@ class Route:
                 break
         points = np.concatenate(pieces)
         arc = np.concatenate([[0.0], np.cumsum(np.linalg.norm(np.diff(points, axis=0), axis=1))])
-        return cls(points, arc, float(min(arc[-1], reach_m)))
+        return cls(points, arc, float(arc[-1]))
+
+    @property
+    def end_m(self) -> float:
+        return float(self.arc_m[-1])
+
+    def with_goal(self, goal_m: float) -> Route:
+        return replace(self, goal_m=float(min(goal_m, self.arc_m[-1])))
 
     def progress_m(self, position_m: np.ndarray, previous_m: float) -> float:
         """Arc length reached at `position_m`, given the progress so far."""

@@ -2,16 +2,16 @@
 episode's result written atomically as it finishes, so that Ctrl-C keeps what is done and a re-run with the
 same settings resumes; then the rows, the table and the PNG summary.
 
-Episode j of scenario s uses the seed the data generator gives its episode i = j * 5 + (the index of s in
-SCENARIOS) for `seed` (seed * 100000 + i), whichever scenarios are chosen. The default seed, 7, is none
-the embedded model was trained on.
+Episode j of scenario s uses the seed the data generator gives its episode i = j * 5 + (the index of s among
+the five default scenarios) for `seed` (seed * 100000 + i), whichever scenarios are chosen; a reactive
+scenario's index is its place among the four reactive ones. The default seed, 7, is none the embedded model
+was trained on.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -26,7 +26,7 @@ from fastddrive.core.outputs import check_folder_destination, write_bytes
 from fastddrive.core.sample import HISTORY_COLUMNS, HISTORY_STEPS
 from fastddrive.core.schema import NUM_WAYPOINTS, WAYPOINT_INTERVAL_S
 from fastddrive.data.episodes import MAX_SEED, SEED_STRIDE
-from fastddrive.data.highway import FRAME_SIZE_PX, SCENARIOS, check_scenarios
+from fastddrive.data.highway import DEFAULT_SCENARIOS, FRAME_SIZE_PX, REACTIVE_SCENARIOS, check_scenarios
 from fastddrive.decode.registry import parse_decoder_spec, split_decoders
 from fastddrive.drive import DriveError
 from fastddrive.drive.closed_loop import HANDOVER_S, RECORD_S, EpisodeTrace, drive_episode
@@ -43,11 +43,12 @@ from fastddrive.drive.policies import (
     Policy,
 )
 from fastddrive.drive.summary import draw_summary, summarise
-from fastddrive.drive.video import write_gif
+from fastddrive.drive.video import gif_path, safe_name, write_gif
 from fastddrive.planner import Planner
 
-RESULT_VERSION = 1  # bump when an episode's result would change for the same settings: old ones are not reused
+RESULT_VERSION = 2  # bump when an episode's result would change for the same settings: old ones are not reused
 MAX_REPLAN_S = NUM_WAYPOINTS * WAYPOINT_INTERVAL_S  # a plan covers 5 s
+SEEDS_PER_EPISODE = len(DEFAULT_SCENARIOS)  # episode j of a scenario: seeds 5 j + index
 MAX_DURATION_S = 300.0  # 7.5 times the longest scenario; a video holds 4 frames a second of it
 
 
@@ -58,8 +59,8 @@ class DriveSettings(BaseModel):
 
     model: str = "default"
     decoders: tuple[str, ...] = ("ss",)
-    scenarios: tuple[str, ...] = tuple(SCENARIOS)
-    episodes: int = Field(1, ge=1, le=SEED_STRIDE // len(SCENARIOS))
+    scenarios: tuple[str, ...] = DEFAULT_SCENARIOS
+    episodes: int = Field(1, ge=1, le=SEED_STRIDE // SEEDS_PER_EPISODE)
     seed: int = 7
     latency: Latency = Latency("measured")
     replan_s: float = 0.5
@@ -109,7 +110,7 @@ def _names(value: str | Sequence[str]) -> list[str]:
 def check_settings(
     *,
     decoders: str | Sequence[str] = "ss",
-    scenarios: str | Sequence[str] = tuple(SCENARIOS),
+    scenarios: str | Sequence[str] = DEFAULT_SCENARIOS,
     latency: str = "measured",
     device: str = "cpu",
     **fields: Any,
@@ -200,8 +201,10 @@ class DriveReport:
 
 
 def episode_seed(seed: int, scenario: str, episode: int) -> int:
-    """The seed of episode `episode` of `scenario`: `seed * 100000 + 5 * episode + (index of the scenario)`."""
-    return seed * SEED_STRIDE + episode * len(SCENARIOS) + list(SCENARIOS).index(scenario)
+    """The seed of episode `episode` of `scenario`: `seed * 100000 + 5 * episode + (index of the scenario)`
+    among the default five, or among the reactive four."""
+    family = DEFAULT_SCENARIOS if scenario in DEFAULT_SCENARIOS else tuple(REACTIVE_SCENARIOS)
+    return seed * SEED_STRIDE + episode * SEEDS_PER_EPISODE + family.index(scenario)
 
 
 def plan_jobs(settings: DriveSettings) -> list[Job]:
@@ -213,10 +216,6 @@ def plan_jobs(settings: DriveSettings) -> list[Job]:
         for scenario in settings.scenarios
         for label in settings.labels
     ]
-
-
-def _safe(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9.=-]+", "_", text)
 
 
 def result_path(settings: DriveSettings, job: Job) -> Path:
@@ -234,7 +233,7 @@ def result_path(settings: DriveSettings, job: Job) -> Path:
     if job.decoder is not None:
         key |= {"model": settings.model, "device": settings.device}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    return settings.out / "episodes" / f"{_safe(job.label)}-{job.scenario}-{job.seed}-{digest}.json"
+    return settings.out / "episodes" / f"{safe_name(job.label)}-{job.scenario}-{job.seed}-{digest}.json"
 
 
 def episode_result(trace: EpisodeTrace, decoder: str | None, latency: str) -> dict[str, Any]:
@@ -269,7 +268,7 @@ def _read(path: Path) -> dict[str, Any] | None:
         return None  # missing or damaged: the episode is driven again
 
 
-def _warm_up(policies: dict[str, Policy]) -> None:
+def warm_up(policies: dict[str, Policy]) -> None:
     """One untimed answer per decoder: the first call of a process pays one-off costs a car would not."""
     frame = np.zeros((FRAME_SIZE_PX[1], FRAME_SIZE_PX[0], 3), dtype=np.uint8)
     history = np.zeros((HISTORY_STEPS, len(HISTORY_COLUMNS)))
@@ -312,7 +311,7 @@ def run_drive(
             name, options = parse_decoder_spec(spec)
             policies[spec] = DecoderPolicy(planner, spec, name, options)
         if settings.latency.mode == "measured":
-            _warm_up(policies)
+            warm_up(policies)
     for job in todo:
         latency = settings.latency.describe(job.decoder)
         try:
@@ -328,7 +327,7 @@ def run_drive(
             result = episode_result(trace, job.decoder, latency)
             write_bytes(result_path(settings, job), json.dumps(result, allow_nan=False).encode())
             if settings.video is not None:
-                write_gif(trace, settings.video / f"{_safe(job.label)}-{_safe(latency)}-{job.scenario}-{job.seed}.gif")
+                write_gif(trace, gif_path(settings.video, job.label, latency, job.scenario, job.seed))
             outcome = EpisodeOutcome(job, result)
         except Exception:  # one episode's crash is reported; the others go on
             outcome = EpisodeOutcome(job, None, traceback.format_exc())

@@ -126,10 +126,15 @@ def draw_summary(rows: Sequence[dict[str, Any]], path: Path, title: str = "") ->
     right.set_xticks(np.arange(len(rows)) + 0.27, [row["decoder"] for row in rows], rotation=30, ha="right")
     right.set_ylim(0, 1.05)
     right.legend(fontsize=7)
+    return save_figure(fig, title, path)
+
+
+def save_figure(fig: Any, title: str, path: Path) -> Path:
+    """Title `fig`, write it to `path` atomically (a picture is whole or as it was) and close it."""
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     try:
-        with atomic_file(path) as tmp:  # a summary is whole or as it was
+        with atomic_file(path) as tmp:
             fig.savefig(tmp, dpi=110)
     finally:
         plt.close(fig)

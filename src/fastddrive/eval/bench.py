@@ -21,7 +21,7 @@ from fastddrive.core.metrics import waypoint_ade_m
 from fastddrive.core.sample import DrivingSample, SampleError
 from fastddrive.data.dataset import DrivingDataset
 from fastddrive.data.episodes import MAX_SEED, SEED_STRIDE
-from fastddrive.data.highway import SCENARIOS, episode_samples
+from fastddrive.data.highway import DEFAULT_SCENARIOS, episode_samples
 from fastddrive.decode.registry import DecoderError
 from fastddrive.decode.result import DecodeResult
 from fastddrive.eval.accuracy import StoredSample, stored_samples
@@ -258,7 +258,7 @@ def bench_scenes(data: Path | None, split: str, seed: int, needed: int) -> list[
         chosen: list[DrivingSample | StoredSample] = list(stored_samples(DrivingDataset.open(data), split, 0, needed))
     else:
         chosen = []  # one scene per episode (its first, at t = 3 s), cycling the scenario types
-        for k, name in zip(range(needed * 3), cycle(SCENARIOS)):
+        for k, name in zip(range(needed * 3), cycle(DEFAULT_SCENARIOS)):
             chosen += episode_samples(name, seed * SEED_STRIDE + k, max_duration_s=9)[:1]
             if len(chosen) >= needed:
                 break
