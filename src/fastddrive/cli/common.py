@@ -30,6 +30,25 @@ app.add_typer(pvf_app, name="pvf")
 # Piped or logged output gets room for the wide tables instead of rich's 80-column default.
 console = Console(width=None if sys.stdout.isatty() else 160)
 
+# Options that several commands share, with the same help and range.
+EpisodesOption = Annotated[int, typer.Option(help="Number of episodes (one shard each), 1 to 100000.")]
+EpisodeSeedOption = Annotated[
+    int, typer.Option(help="Base seed, 0 to 92233720368546; episode i uses seed * 100000 + i (a 64-bit seed).")
+]
+ScenariosOption = Annotated[str, typer.Option(help="Comma-separated scenarios, or the group 'reactive'.")]
+ReplanOption = Annotated[
+    float, typer.Option("--replan-s", help="Simulated seconds between questions (a multiple of 0.25, at most 5).")
+]
+DurationOption = Annotated[
+    float | None,
+    typer.Option(
+        "--duration-s", help="Episode length in simulated seconds, over 3.25 and at most 300 (default 40, 25)."
+    ),
+]
+BuildOverwriteOption = Annotated[
+    bool, typer.Option(help="Replace an existing dataset in --out (built beside it, swapped in once complete).")
+]
+
 
 @app.callback()
 def settings(

@@ -10,7 +10,18 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
-from fastddrive.cli.common import console, data_app, progress_bar, user_errors
+from fastddrive.cli.common import (
+    BuildOverwriteOption,
+    DurationOption,
+    EpisodeSeedOption,
+    EpisodesOption,
+    ReplanOption,
+    ScenariosOption,
+    console,
+    data_app,
+    progress_bar,
+    user_errors,
+)
 
 if TYPE_CHECKING:
     from fastddrive.data.build import BuildReport
@@ -58,17 +69,11 @@ class _Counter:
 @data_app.command("highway")
 def data_highway(
     out: Annotated[Path, typer.Option(help="Output dataset folder.")],
-    episodes: Annotated[int, typer.Option(help="Number of episodes (one shard each), 1 to 100000.")] = 100,
-    seed: Annotated[
-        int, typer.Option(help="Base seed, 0 to 92233720368546; episode i uses seed * 100000 + i (a 64-bit seed).")
-    ] = 0,
-    scenarios: Annotated[str, typer.Option(help="Comma-separated scenarios.")] = (
-        "highway,merge,exit,roundabout,intersection"
-    ),
+    episodes: EpisodesOption = 100,
+    seed: EpisodeSeedOption = 0,
+    scenarios: ScenariosOption = ("highway,merge,exit,roundabout,intersection"),
     workers: Annotated[int, typer.Option(help="Worker processes, 1 to twice the CPUs this process may use.")] = 1,
-    overwrite: Annotated[
-        bool, typer.Option(help="Replace an existing dataset in --out (built beside it, swapped in once complete).")
-    ] = False,
+    overwrite: BuildOverwriteOption = False,
 ) -> None:
     """Simulate seeded highway-env episodes with the IDM/MOBIL expert and write a dataset."""
     from fastddrive.data.build import build_dataset
@@ -144,33 +149,19 @@ def data_dagger(
         str, typer.Option(help="The planner that drives: 'default', 'default-ar', 'default-jf' or a model folder.")
     ] = "default",
     decoder: Annotated[str, typer.Option(help="Its decoder, options as sd:tau=0.0.")] = "ss",
-    episodes: Annotated[int, typer.Option(help="Number of episodes (one shard each), 1 to 100000.")] = 100,
-    seed: Annotated[
-        int, typer.Option(help="Base seed, 0 to 92233720368546; episode i uses seed * 100000 + i (a 64-bit seed).")
-    ] = 1,
-    scenarios: Annotated[str, typer.Option(help="Comma-separated scenarios.")] = (
-        "highway,merge,exit,roundabout,intersection"
-    ),
+    episodes: EpisodesOption = 100,
+    seed: EpisodeSeedOption = 1,
+    scenarios: ScenariosOption = ("highway,merge,exit,roundabout,intersection"),
     workers: Annotated[
         int, typer.Option(help="Worker processes (each loads the model), 1 to twice the CPUs this process may use.")
     ] = 1,
-    replan_s: Annotated[
-        float,
-        typer.Option("--replan-s", help="Simulated seconds between questions (a multiple of 0.25, at most 5)."),
-    ] = 0.5,
-    duration_s: Annotated[
-        float | None,
-        typer.Option(
-            "--duration-s", help="Episode length in simulated seconds, over 3.25 and at most 300 (default 40, 25)."
-        ),
-    ] = None,
+    replan_s: ReplanOption = 0.5,
+    duration_s: DurationOption = None,
     latency: Annotated[
         str, typer.Option(help="zero or fixed:MS (0 to 60000), charged to the simulation clock as in `drive`.")
     ] = "zero",
     device: Annotated[str, typer.Option(help="cpu, cuda, ...")] = "cpu",
-    overwrite: Annotated[
-        bool, typer.Option(help="Replace an existing dataset in --out (built beside it, swapped in once complete).")
-    ] = False,
+    overwrite: BuildOverwriteOption = False,
 ) -> None:
     """DAgger's data: the planner drives seeded episodes; each state it is asked about becomes a sample with the
     frame, history and command it saw and the expert's answer from there (its 5 s rollout, the data's labels).

@@ -8,7 +8,15 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from fastddrive.cli.common import app, console, progress_bar, user_errors
+from fastddrive.cli.common import (
+    DurationOption,
+    ReplanOption,
+    ScenariosOption,
+    app,
+    console,
+    progress_bar,
+    user_errors,
+)
 
 
 @app.command("drive")
@@ -17,9 +25,7 @@ def drive_command(
         str, typer.Option(help="'default', 'default-ar', 'default-jf' or a local model folder.")
     ] = "default",
     decoders: Annotated[str, typer.Option(help="Comma-separated decoders, options as sd:tau=0.0.")] = "ar,ss,sd,tts",
-    scenarios: Annotated[str, typer.Option(help="Comma-separated scenarios.")] = (
-        "highway,merge,exit,roundabout,intersection"
-    ),
+    scenarios: ScenariosOption = ("highway,merge,exit,roundabout,intersection"),
     episodes: Annotated[
         int, typer.Option(min=1, max=20_000, help="Episodes per scenario; every planner drives the same.")
     ] = 20,
@@ -36,15 +42,8 @@ def drive_command(
             "sweep:MS,MS,... drives the episodes once per value, charged to every decoder."
         ),
     ] = "measured",
-    replan_s: Annotated[
-        float, typer.Option("--replan-s", help="Simulated seconds between questions (a multiple of 0.25, at most 5).")
-    ] = 0.5,
-    duration_s: Annotated[
-        float | None,
-        typer.Option(
-            "--duration-s", help="Episode length in simulated seconds, over 3.25 and at most 300 (default 40, 25)."
-        ),
-    ] = None,
+    replan_s: ReplanOption = 0.5,
+    duration_s: DurationOption = None,
     references: Annotated[
         bool, typer.Option(help="Also drive the expert (in the seat and as a planner) and constant velocity.")
     ] = True,

@@ -131,8 +131,10 @@ def max_workers() -> int:
     return WORKERS_PER_CPU * usable_cpus()
 
 
-def check_build_settings(episodes: int, seed: int, workers: int = 1) -> None:
-    """DataSettingsError (one line), before anything is simulated, for a setting outside its range."""
+def check_build_settings(episodes: int, seed: int, workers: int = 1, model_bytes: int = 0) -> None:
+    """DataSettingsError (one line), before anything is simulated, for a setting outside its range; with several
+    workers, MemoryBudgetError when they would hold more than the budget (each its own copy of a model of
+    `model_bytes`, where one drives)."""
     check_episode_settings(episodes, seed)
     limit = max_workers()
     if not _whole(workers) or not 1 <= workers <= limit:
@@ -141,7 +143,7 @@ def check_build_settings(episodes: int, seed: int, workers: int = 1) -> None:
             f"this process may use {usable_cpus()})"
         )
     if workers > 1:
-        check_allocation(f"--workers {workers}", workers * WORKER_BYTES)
+        check_allocation(f"--workers {workers}", workers * (WORKER_BYTES + model_bytes))
 
 
 def _episode_key(job: EpisodeJob) -> str:

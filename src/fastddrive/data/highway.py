@@ -252,7 +252,7 @@ def vehicle_state(vehicle: Any) -> VehicleState:
     )
 
 
-def lane_change(expert: IDMVehicle, previous: tuple, current: tuple) -> int:
+def _lane_change(expert: IDMVehicle, previous: tuple, current: tuple) -> int:
     """+1 if the step from lane `previous` to `current` is a change to the left, -1 to the right, else 0."""
     if previous[:2] != current[:2] or previous[2] == current[2]:
         return 0
@@ -261,6 +261,20 @@ def lane_change(expert: IDMVehicle, previous: tuple, current: tuple) -> int:
     s, _ = new.local_coordinates(expert.position)
     _, lateral = old.local_coordinates(new.position(s, 0.0))
     return 1 if lateral < 0 else -1  # lateral grows to the driver's right in highway-env
+
+
+def record_step(sim: Any, driver: Any, previous_lane: tuple, turn_rad: float | None = None) -> Step:
+    """The scene at this step, `driver` in the ego seat, `previous_lane` its lane at the step before (a lane
+    change completed is read off it); `turn_rad` stands for the route's turn when given."""
+    return Step(
+        time_s=float(sim.time),
+        ego=vehicle_state(driver),
+        lane_change=_lane_change(driver, previous_lane, driver.lane_index),
+        yielding=bool(getattr(driver, "is_yielding", False)),
+        route_turn_rad=route_turn_rad(driver) if turn_rad is None else turn_rad,
+        lane_heading=float(driver.lane.heading_at(driver.lane.local_coordinates(driver.position)[0])),
+        others={id(v): vehicle_state(v) for v in sim.road.vehicles if v is not driver},
+    )
 
 
 def end_of_road(expert: IDMVehicle, planned: bool) -> bool:
@@ -304,15 +318,7 @@ def simulate_episode(
         k = 0
         while True:
             alive.update((id(v), v) for v in sim.road.vehicles)
-            step = Step(
-                time_s=float(sim.time),
-                ego=vehicle_state(expert),
-                lane_change=lane_change(expert, lane, expert.lane_index),
-                yielding=bool(getattr(expert, "is_yielding", False)),
-                route_turn_rad=route_turn_rad(expert),
-                lane_heading=float(expert.lane.heading_at(expert.lane.local_coordinates(expert.position)[0])),
-                others={id(v): vehicle_state(v) for v in sim.road.vehicles if v is not expert},
-            )
+            step = record_step(sim, expert, lane)
             lane = expert.lane_index
             if k % SAMPLE_EVERY_STEPS == 0 and k >= (HISTORY_STEPS - 1) * HISTORY_STRIDE:
                 step.frame = env.render()

@@ -23,7 +23,6 @@ would make the states visited, and so the data, depend on this machine's load.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import time
 import traceback
@@ -34,14 +33,10 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
-from fastddrive.core.memory import check_allocation
 from fastddrive.core.outputs import is_temporary
 from fastddrive.core.sample import FUTURE_STEPS, DrivingSample
 from fastddrive.core.schema import NUM_WAYPOINTS, WAYPOINT_INTERVAL_S
 from fastddrive.data.build import (
-    WORKER_BYTES,
     BuildReport,
     EpisodeResult,
     build_episodes,
@@ -59,16 +54,15 @@ from fastddrive.data.highway import (
     check_scenarios,
     end_of_road,
     frame_geometry,
-    lane_change,
+    record_step,
     route_turn_rad,
-    vehicle_state,
 )
 from fastddrive.decode.registry import parse_decoder_spec
 from fastddrive.drive import DriveError
 from fastddrive.drive.closed_loop import EpisodeTrace, drive_episode
 from fastddrive.drive.latency import Latency, parse_latency
 from fastddrive.drive.policies import DecoderPolicy, ExpertPolicy, Observation, Policy, Proposal
-from fastddrive.drive.run import DriveSettings
+from fastddrive.drive.run import drive_settings
 
 SOURCE = "dagger"  # the manifest's settings.source
 LABEL_VERSION = 1  # bump when the labels of a visited state would change: a data set records it
@@ -77,81 +71,32 @@ ROLLOUT_STEPS = NUM_WAYPOINTS * round(WAYPOINT_INTERVAL_S * STEP_HZ)  # ExpertPo
 assert ROLLOUT_STEPS == FUTURE_STEPS  # its steps are the future's points, one for one
 
 
-def _record(world: Any, driver: Any, lane: tuple, turn_rad: float | None = None) -> Step:
-    """One 4 Hz step of the rollout, as data/highway.simulate_episode records the expert's episode."""
-    return Step(
-        time_s=float(world.time),
-        ego=vehicle_state(driver),
-        lane_change=lane_change(driver, lane, driver.lane_index),
-        yielding=bool(getattr(driver, "is_yielding", False)),
-        route_turn_rad=route_turn_rad(driver) if turn_rad is None else turn_rad,
-        lane_heading=float(driver.lane.heading_at(driver.lane.local_coordinates(driver.position)[0])),
-        others={id(v): vehicle_state(v) for v in world.road.vehicles if v is not driver},
-    )
-
-
 class _Rollout:
     """The steps of one expert rollout, recorded as the generator records an episode (`steps`), and whether the
     generator would make a sample of its first (`usable`: no crash within the 5 s, the road ending at their
-    last point at the earliest, as highway.sample_steps)."""
+    last point at the earliest, as highway.sample_steps). Called with the rollout's world before its first step
+    and after each (ExpertPolicy.propose's `watch`)."""
 
     def __init__(self, turn_rad: float, planned: bool) -> None:
         self.turn_rad, self.planned = turn_rad, planned
         self.steps: list[Step] = []
         self.usable = True
+        self.lane: tuple = ()
         # Cars are keyed by id(), as in the generator: holding every car until the rollout ends stops a car
         # spawned later from reusing a departed one's id.
         self.alive: dict[int, Any] = {}
 
-    def step(self, world: Any, action: Any) -> Any:
+    def __call__(self, world: Any) -> None:
         driver = world.vehicle
+        self.alive.update((id(v), v) for v in world.road.vehicles)
         if not self.steps:  # the state asked about: the command is the planner's, read off the car it drives
-            self.steps.append(_record(world, driver, driver.lane_index, self.turn_rad))
+            self.steps.append(record_step(world, driver, driver.lane_index, self.turn_rad))
             self.usable = not end_of_road(driver, self.planned)
-        lane = driver.lane_index
-        self.alive.update((id(v), v) for v in world.road.vehicles)
-        result = world.step(action)
-        self.alive.update((id(v), v) for v in world.road.vehicles)
-        self.steps.append(_record(world, driver, lane))
-        last = len(self.steps) == ROLLOUT_STEPS + 1
-        self.usable &= not driver.crashed and (last or not end_of_road(driver, self.planned))
-        return result
-
-
-class _RecordingWorld:
-    """The expert's copy of the simulator, every step of it recorded (`_Rollout.step`); all else is the copy's."""
-
-    def __init__(self, world: Any, rollout: _Rollout) -> None:
-        object.__setattr__(self, "_world", world)
-        object.__setattr__(self, "_rollout", rollout)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("_world", "_rollout"):  # not set yet (a copy being made): no endless lookup
-            raise AttributeError(name)
-        return getattr(self._world, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._world, name, value)
-
-    def step(self, action: Any) -> Any:
-        return self._rollout.step(self._world, action)
-
-
-class _Recorded:
-    """Stands for the live simulator in the observation given to the expert: the copy the expert rolls out in
-    (ExpertPolicy copies `observation.sim` with data/raters.simulator_copy, a deep copy) comes out recorded. So
-    the rollout is ExpertPolicy's own, whatever it does, not a copy of its code that could drift from it."""
-
-    def __init__(self, sim: Any, rollout: _Rollout) -> None:
-        self._sim, self._rollout = sim, rollout
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("_sim", "_rollout"):
-            raise AttributeError(name)
-        return getattr(self._sim, name)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _RecordingWorld:
-        return _RecordingWorld(copy.deepcopy(self._sim, memo), self._rollout)
+        else:
+            self.steps.append(record_step(world, driver, self.lane))
+            last = len(self.steps) == ROLLOUT_STEPS + 1
+            self.usable &= not driver.crashed and (last or not end_of_road(driver, self.planned))
+        self.lane = driver.lane_index
 
 
 class ExpertLabeller:
@@ -174,12 +119,7 @@ class ExpertLabeller:
         """The sample of the state the planner is asked about, labelled with the expert's 5 s rollout from it in
         a copy of the simulator; None when that future reaches a crash or the end of the road."""
         rollout = _Rollout(route_turn_rad(observation.sim.vehicle), self.planned)
-        self.expert.propose(replace(observation, sim=_Recorded(observation.sim, rollout)))
-        if len(rollout.steps) != ROLLOUT_STEPS + 1:
-            raise RuntimeError(
-                f"the expert's rollout gave {len(rollout.steps)} recorded steps, not {ROLLOUT_STEPS + 1}: "
-                "policies.ExpertPolicy no longer rolls out in a copy of observation.sim"
-            )
+        self.expert.propose(observation, watch=rollout)
         if not rollout.usable:
             return None
         steps = rollout.steps
@@ -295,12 +235,8 @@ def check_dagger_settings(
             f"collection differ from an uninterrupted one; give one of: {', '.join(LATENCIES)}"
         )
     check_device(device)
-    try:  # the closed-loop run's own checks of the replanning period and the duration
-        DriveSettings(decoders=(decoder,), replan_s=replan_s, duration_s=duration_s, references=False)
-    except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        raise DriveError(f"--{where.replace('_', '-')}: {str(first['msg']).removeprefix('Value error, ')}") from None
+    # the closed-loop run's own checks of the replanning period and the duration
+    drive_settings(decoders=(decoder,), replan_s=replan_s, duration_s=duration_s, references=False)
     return DaggerSettings(model, decoder, episodes, seed, tuple(names), replan_s, duration_s, parsed, device)
 
 
@@ -320,11 +256,9 @@ def model_digest(folder: Path) -> str:
     was retrained in place is refused rather than mixing the states of two models."""
     digest = hashlib.sha256()
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and not is_temporary(p)):
-        inner = hashlib.sha256()
         with path.open("rb") as handle:
-            while chunk := handle.read(1 << 20):
-                inner.update(chunk)
-        digest.update(f"{path.relative_to(folder).as_posix()}\0{inner.hexdigest()}\n".encode())
+            inner = hashlib.file_digest(handle, "sha256").hexdigest()
+        digest.update(f"{path.relative_to(folder).as_posix()}\0{inner}\n".encode())
     return digest.hexdigest()
 
 
@@ -411,19 +345,19 @@ def build_dagger(
     """Collect (or resume, or repair) the DAgger data set of `settings` in `out` (module docstring); the
     callbacks and the report are data/build.build_dataset's. `make_policy()` gives each episode's policy in
     place of the model's decoder (recorded in the settings by its import path; with workers it must be picklable)."""
-    check_build_settings(settings.episodes, settings.seed, workers)
     if make_policy is None:
         folder = model_folder(settings.model)
+        weights = sum(p.stat().st_size for p in folder.glob("*.safetensors"))  # each worker loads its own copy
+        check_build_settings(settings.episodes, settings.seed, workers, model_bytes=weights)
         planner: dict[str, object] = {
             "model": settings.model,
             "model_sha256": model_digest(folder),
             "decoder": settings.decoder,
         }
         tag = f"{SOURCE}-{str(planner['model_sha256'])[:8]}"
-        if workers > 1:  # each worker loads its own copy of the weights
-            weights = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-            check_allocation(f"--workers {workers}", workers * (WORKER_BYTES + weights))
-    else:  # named by the factory's import path, so that a rerun with another one is refused
+    else:
+        check_build_settings(settings.episodes, settings.seed, workers)
+        # named by the factory's import path, so that a rerun with another one is refused
         factory = make_policy if hasattr(make_policy, "__qualname__") else type(make_policy)
         planner = {"policy": f"{factory.__module__}.{factory.__qualname__}"}
         tag = SOURCE

@@ -14,6 +14,7 @@ frame, the ego history and the navigation command. The references are the yardst
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -109,7 +110,9 @@ class ExpertPolicy:
     def start(self, expert: ExpertVehicle) -> None:
         self.decision = {name: getattr(expert, name) for name in DECISION if hasattr(expert, name)}
 
-    def propose(self, observation: Observation) -> Proposal:
+    def propose(self, observation: Observation, watch: Callable[[Any], None] | None = None) -> Proposal:
+        """The expert's 5 s rollout from the observed state; `watch(world)` sees the copy it drives in before the
+        first step and after each (the DAgger labeller records the rollout so)."""
         world = simulator_copy(observation.sim)
         car = world.vehicle
         driver = ExpertVehicle(
@@ -131,8 +134,12 @@ class ExpertPolicy:
         idle = world.action_type.actions_indexes["IDLE"]
         positions = []
         every = round(WAYPOINT_INTERVAL_S * STEP_HZ)
+        if watch is not None:
+            watch(world)
         for k in range(1, NUM_WAYPOINTS * every + 1):
             world.step(idle)
+            if watch is not None:
+                watch(world)
             if k == self.replan_steps:
                 self.decision = {name: getattr(driver, name) for name in DECISION if hasattr(driver, name)}
             if k % every == 0:

@@ -107,6 +107,16 @@ def _names(value: str | Sequence[str]) -> list[str]:
     return [v.strip() for v in value.split(",")] if isinstance(value, str) else [v.strip() for v in value]
 
 
+def drive_settings(**fields: Any) -> DriveSettings:
+    """DriveSettings of `fields`; a value out of its range is one DriveError line naming its option."""
+    try:
+        return DriveSettings(**fields)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise DriveError(f"--{where.replace('_', '-')}: {str(first['msg']).removeprefix('Value error, ')}") from None
+
+
 def check_settings(
     *,
     decoders: str | Sequence[str] = "ss",
@@ -129,12 +139,7 @@ def check_settings(
     parsed = parse_latency(latency, specs)
     if specs:
         check_device(device)
-    try:
-        settings = DriveSettings(decoders=tuple(specs), scenarios=tuple(names), latency=parsed, device=device, **fields)
-    except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        raise DriveError(f"--{where.replace('_', '-')}: {str(first['msg']).removeprefix('Value error, ')}") from None
+    settings = drive_settings(decoders=tuple(specs), scenarios=tuple(names), latency=parsed, device=device, **fields)
     if not settings.labels:
         raise DriveError("nothing to drive: no decoder and no reference planners")
     check_destinations(settings)
