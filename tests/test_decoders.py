@@ -110,7 +110,7 @@ def references(embedded, scenes):
     return [embedded.plan(scene, "ar") for scene in scenes]
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("block_size", [16, 32])  # 8 left out: the suite must stay under 15 minutes
 def test_lossless_decoders_equal_greedy_ar_on_the_embedded_model(embedded, scenes, references, block_size):
     for scene, reference in zip(scenes, references, strict=True):
         assert reference.response is not None, reference.error
