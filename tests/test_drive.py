@@ -172,6 +172,8 @@ def test_metrics_score_and_time_to_collision():
     assert lead_ttc_s(*crossing) == pytest.approx(0.5)
     assert lead_ttc_s(*crossing, np.array([4.0])) == math.inf
     assert lead_ttc_s(*crossing, np.array([0.5])) == pytest.approx(0.5)  # still in the way after 0.5 s
+    # An oncoming car ahead (seen across the ego's turn at an intersection) is not a lead car.
+    assert lead_ttc_s(np.array([[10.0, 0.0]]), np.array([-6.0]), np.array([[5.0, 2.0]]), 9.0, (5.0, 2.0)) == math.inf
     # Braking for it is a response, not a violation: only the records without braking count.
     speeds = np.array([10.0, 10.0, 9.0, 8.0, 8.0])
     flags = ttc_violation_flags(np.array([5.0, 1.0, 1.0, 1.0, 1.0]), speeds, 0.25)

@@ -244,11 +244,22 @@ def test_every_lossless_decoder_gives_ars_ids_on_the_release_layout_with_drafts_
         assert runs["ss fused"].nfe > floor  # a wrong draft costs forwards, never ids
 
 
+@pytest.fixture(scope="module")
+def merge_episodes(tmp_path_factory):
+    """Two merge episodes: the data both presets continue training on."""
+    from fastddrive.data.build import build_dataset
+
+    root = tmp_path_factory.mktemp("release-train-data") / "data"
+    build_dataset(root, 2, 21, ["merge"])
+    return root
+
+
 @pytest.mark.parametrize("imported", ["current"], indirect=True)  # the prefixes differ only in the import
 @pytest.mark.parametrize("preset", ["tiny-ar", "tiny-sasd"])
-def test_training_continues_the_imported_model_in_the_release_layout(imported, tmp_path_factory, preset):
+def test_training_continues_the_imported_model_in_the_release_layout(
+    imported, tmp_path_factory, merge_episodes, preset
+):
     from fastddrive.core.release_answer import render_release
-    from fastddrive.data.build import build_dataset
     from fastddrive.data.dataset import DrivingDataset
     from fastddrive.engine.model_files import load_model
     from fastddrive.train.collate import DualStreamCollator
@@ -256,11 +267,10 @@ def test_training_continues_the_imported_model_in_the_release_layout(imported, t
     from fastddrive.train.loop import continued_layout, initial_model, train
 
     base = tmp_path_factory.mktemp(f"release-train-{preset}")
-    build_dataset(base / "data", 2, 21, ["merge"])
     config = load_config(
         preset,
         init_from=str(imported[1]),
-        data=str(base / "data"),
+        data=str(merge_episodes),
         out=str(base / "run"),
         steps=2,
         batch_size=1,
@@ -276,7 +286,7 @@ def test_training_continues_the_imported_model_in_the_release_layout(imported, t
     # The targets are the release's text as one tokenization, and the prompt the release's with three cameras.
     model = initial_model(carried)
     planner_scaffold = load(imported[1]).scaffold
-    sample = next(iter(DrivingDataset.open(base / "data").samples("train")))
+    sample = next(iter(DrivingDataset.open(merge_episodes).samples("train")))
     example = DualStreamCollator(model, planner_scaffold, carried).example(sample)
     ids = [t for t in example.response.tolist() if t != planner_scaffold.null_id]
     if preset == "tiny-ar":

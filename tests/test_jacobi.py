@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastddrive.data.highway import SCENARIOS, episode_samples
+from fastddrive.data.highway import DEFAULT_SCENARIOS, SCENARIOS, episode_samples
 from fastddrive.decode import DecoderError, decode, jacobi_mr
 from fastddrive.decode.jacobi_mr import NgramPool, layout
 from fastddrive.planner import load
@@ -111,8 +111,12 @@ def test_spawn_threshold_is_ceil_of_ratio_times_block():
 
 @pytest.fixture(scope="module")
 def scenes():
-    """One fresh scene per scenario type (seeds far from the training episodes)."""
-    return [episode_samples(name, 91_000 + k, max_duration_s=9)[0] for k, name in enumerate(SCENARIOS)]
+    """One fresh scene per scenario type (seeds far from the training episodes): the first second of a default
+    scenario's, the first after the staged event of a reactive one's (which runs its whole 12 s for it)."""
+    return [
+        episode_samples(name, 91_000 + k, max_duration_s=9 if name in DEFAULT_SCENARIOS else None)[0]
+        for k, name in enumerate(SCENARIOS)
+    ]
 
 
 @pytest.mark.parametrize("name", ["default", "default-ar", "default-jf"])

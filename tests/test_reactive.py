@@ -1,11 +1,20 @@
 """The reactive scenarios (data/reactive.py): each is one that the expert survives with zero latency and fails
-with enough latency; the oracle does not foresee the staged event; `reactive` names all four."""
+with enough latency; the oracle does not foresee the staged event, nor does a sample's answer; `reactive` names
+all four."""
 
 import pytest
 from typer.testing import CliRunner
 
 from fastddrive.cli import app
-from fastddrive.data.highway import REACTIVE_SCENARIOS, SCENARIO_GROUPS, check_scenarios
+from fastddrive.core.sample import FUTURE_STEPS
+from fastddrive.data.highway import (
+    REACTIVE_SCENARIOS,
+    SCENARIO_GROUPS,
+    check_scenarios,
+    episode_samples,
+    sample_steps,
+    simulate_episode,
+)
 from fastddrive.drive.closed_loop import drive_episode
 from fastddrive.drive.policies import ExpertPolicy
 from fastddrive.drive.run import episode_seed
@@ -24,6 +33,18 @@ def test_the_expert_survives_at_zero_latency_and_crashes_a_second_and_a_half_lat
     assert sum(t.end_reason == "collision" for t in late) >= EPISODES - 1, [t.end_reason for t in late]
     # The route's goal is what the expert in the seat drives in the episode's time (route.py).
     assert all(t.progress_m[-1] >= t.goal_m - 1.0 for t in kept)
+
+
+def test_no_sample_answers_with_an_event_still_to_come():
+    scenario = "late-stop"  # its event comes at a place, not a time: the rule reads the staged car's script
+    log = simulate_episode(scenario, episode_seed(11, scenario, 0))
+    begun = [step.time_s for step in log.steps if step.events_begun][0]  # the event, seen in the log
+    kept = sample_steps(log)
+    assert kept and all(log.steps[k + FUTURE_STEPS].events_begun == log.steps[k].events_begun for k in kept)
+    # Every second from 3 s whose 5 s future holds the event is left out; the ones after the event stay.
+    assert all(log.steps[k].time_s >= begun for k in kept)
+    assert [s.time_s for s in episode_samples(scenario, log.seed)] == [log.steps[k].time_s for k in kept]
+    assert log.steps[kept[0]].time_s < begun + 1.0
 
 
 def test_the_group_name_reactive_stands_for_the_four_scenarios_and_a_repeat_is_refused(tmp_path):

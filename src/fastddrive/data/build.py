@@ -151,7 +151,7 @@ def _episode_key(job: EpisodeJob) -> str:
 
 
 def _settings(episodes: int, seed: int, scenarios: list[str], rater_splits: tuple[str, ...]) -> dict[str, object]:
-    from fastddrive.data.highway import FRAME_SIZE_PX, SIMULATION_HZ
+    from fastddrive.data.highway import FRAME_SIZE_PX, SAMPLE_RULE_VERSION, SIMULATION_HZ
     from fastddrive.data.raters import DRIVERS, RULE_VERSION
 
     return {
@@ -162,6 +162,7 @@ def _settings(episodes: int, seed: int, scenarios: list[str], rater_splits: tupl
         "scenarios": scenarios,
         "frame_size_px": list(FRAME_SIZE_PX),
         "simulation_hz": SIMULATION_HZ,
+        "sample_rule_version": SAMPLE_RULE_VERSION,  # which steps make a sample (highway.sample_steps)
         # Which splits carry simulated raters, and by which drivers and score rule (data/raters.py).
         "raters": {
             "splits": [s for s in SPLITS if s in rater_splits],

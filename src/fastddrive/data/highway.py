@@ -24,6 +24,7 @@ from fastddrive.data.raters import RaterSet, rate
 from fastddrive.data.reactive import (
     IDM_COMFORT_ACC_MPS2,
     IDM_TIME_WANTED_S,
+    events_begun,
     stage_closing_gap,
     stage_cut_in,
     stage_late_stop,
@@ -38,6 +39,7 @@ from highway_env.vehicle.behavior import IDMVehicle  # noqa: E402
 
 SIMULATION_HZ = 12  # a multiple of STEP_HZ; highway-env itself runs 5..15 Hz
 SAMPLE_EVERY_STEPS = STEP_HZ  # one sample per second
+SAMPLE_RULE_VERSION = 2  # 2: no sample whose future holds a staged event still to come (sample_steps)
 HISTORY_STRIDE = 2  # 0.5 s at 4 Hz
 FRAME_SIZE_PX = (448, 224)  # width, height: 16 x 8 Qwen2.5-VL units of 28 px
 ROUTE_LOOKAHEAD_M = 300.0
@@ -126,6 +128,7 @@ class Step:
     route_turn_rad: float  # signed turn of the planned route ahead, left positive
     lane_heading: float  # heading of the lane under the ego (world, rad): road geometry, not steering
     others: dict[int, VehicleState]
+    events_begun: int = 0  # staged manoeuvres (data/reactive.py) begun by this step
     frame: np.ndarray | None = None
     raters: RaterSet | None = None  # alternative futures from this step (world frame), see data/raters.py
 
@@ -274,6 +277,7 @@ def record_step(sim: Any, driver: Any, previous_lane: tuple, turn_rad: float | N
         route_turn_rad=route_turn_rad(driver) if turn_rad is None else turn_rad,
         lane_heading=float(driver.lane.heading_at(driver.lane.local_coordinates(driver.position)[0])),
         others={id(v): vehicle_state(v) for v in sim.road.vehicles if v is not driver},
+        events_begun=events_begun(sim.road.vehicles),
     )
 
 
@@ -362,10 +366,20 @@ def command_of(route_turn: float) -> str:
 
 
 def sample_steps(log: EpisodeLog) -> list[int]:
-    """Step indices that make a sample: every 1 s, 3 s of history behind, 5 s of future ahead."""
+    """Step indices that make a sample: every 1 s, 3 s of history behind, 5 s of future ahead, and no staged
+    event beginning in that future. The answer is the expert's logged future, and a staged event cannot be
+    foreseen from the present (data/reactive.py): a future braking for an event still to come would teach a
+    planner to brake for the scene's layout instead of for the event."""
     first = (HISTORY_STEPS - 1) * HISTORY_STRIDE
     last = log.usable_steps - 1 - FUTURE_STEPS
-    return [k for k in range(first, last + 1) if k % SAMPLE_EVERY_STEPS == 0 and log.steps[k].frame is not None]
+    steps = log.steps
+    return [
+        k
+        for k in range(first, last + 1)
+        if k % SAMPLE_EVERY_STEPS == 0
+        and steps[k].frame is not None
+        and steps[k + FUTURE_STEPS].events_begun == steps[k].events_begun
+    ]
 
 
 def ego_history(egos: list[VehicleState]) -> np.ndarray:

@@ -81,6 +81,11 @@ class ScriptedVehicle(IDMVehicle):
             self.trigger_s, self.trigger = np.inf, None
 
 
+def events_begun(vehicles: list[Any]) -> int:
+    """How many of the staged cars among `vehicles` have begun their manoeuvre."""
+    return sum(1 for v in vehicles if isinstance(v, ScriptedVehicle) and v.fired)
+
+
 @dataclass(frozen=True)
 class Staging:
     """Where the ego is when the scene is staged: its road, lane and position along the lane (m)."""

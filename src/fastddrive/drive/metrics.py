@@ -6,11 +6,11 @@ infraction, multiplied for every occurrence,
 with the leaderboard's factor for a collision with a vehicle (0.60) and for leaving the road its factor for
 hitting the static world (0.65); a collision or leaving the road also ends the episode, so its route
 completion stops there. A time-to-collision violation (a stretch of time with TTC below TTC_LIMIT_S to the
-nearest car ahead in the ego's path while the ego is not braking, decelerating by less than REACTING_MPS2)
-costs 0.90: the leaderboard has no such infraction, the factor is ours. A car that brakes for a car that cut in
-or braked ahead of it is reacting, not infringing. Route completion is the fraction of the route's goal reached,
-the goal being what the expert drives in the episode's time (route.py): the expert keeping the seat completes
-its route, as a leaderboard route is made to be completed.
+nearest lead car, not an oncoming one, in the ego's path while the ego is not braking, decelerating by less
+than REACTING_MPS2) costs 0.90: the leaderboard has no such infraction, the factor is ours. A car that brakes
+for a car that cut in or braked ahead of it is reacting, not infringing. Route completion is the fraction of
+the route's goal reached, the goal being what the expert drives in the episode's time (route.py): the expert
+keeping the seat completes its route, as a leaderboard route is made to be completed.
 """
 
 from __future__ import annotations
@@ -33,16 +33,18 @@ def lead_ttc_s(
     ego_size_m: tuple[float, float],
     lateral_speed_mps: np.ndarray | None = None,
 ) -> float:
-    """Time to collision with the nearest car in the ego's path: other cars' centres (N, 2) and speeds along
-    the ego's heading (N,) in the ego frame (+x forward, +y left), their (length, width) (N, 2). A car is
-    in the path when it is ahead and the two footprints overlap sideways, now and, given its sideways speeds
-    (N,), still when the gap would close (a car crossing the ego's road ahead of it is not in its path); inf
-    when no car closes in."""
+    """Time to collision with the nearest lead car in the ego's path: other cars' centres (N, 2) and speeds
+    along the ego's heading (N,) in the ego frame (+x forward, +y left), their (length, width) (N, 2). A car
+    is in the path when it is ahead and the two footprints overlap sideways, now and, given its sideways
+    speeds (N,), still when the gap would close (a car crossing the ego's road ahead of it is not in its
+    path). A lead car is one not coming towards the ego: an oncoming car seen ahead while the ego turns
+    across its lane is not one the ego follows, and meeting one head-on counts as a collision. inf when no
+    lead car closes in."""
     if len(positions_m) == 0:
         return math.inf
     ego_length, ego_width = ego_size_m
     overlap = (ego_width + sizes_m[:, 1]) / 2
-    ahead = (positions_m[:, 0] > 0) & (np.abs(positions_m[:, 1]) < overlap)
+    ahead = (positions_m[:, 0] > 0) & (np.abs(positions_m[:, 1]) < overlap) & (forward_speed_mps >= 0)
     gap = np.maximum(positions_m[:, 0] - (ego_length + sizes_m[:, 0]) / 2, 0.0)
     closing = ego_speed_mps - forward_speed_mps
     ttc = np.where(ahead & (closing > 0), gap / np.where(closing > 0, closing, 1.0), np.inf)
