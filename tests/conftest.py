@@ -52,11 +52,7 @@ def embedded():
 
 @pytest.fixture(scope="module")
 def scenes():
-    """One fresh scene per scenario type (seeds far from the training episodes): the first second of a default
-    scenario's, the first after the staged event of a reactive one's (which runs its whole 12 s for it)."""
-    from fastddrive.data.highway import DEFAULT_SCENARIOS, SCENARIOS, episode_samples
+    """One fresh scene per scenario type (seeds far from the training episodes)."""
+    from model_fixtures import one_scene_per_scenario
 
-    return [
-        episode_samples(name, 90_000 + k, max_duration_s=9 if name in DEFAULT_SCENARIOS else None)[0]
-        for k, name in enumerate(SCENARIOS)
-    ]
+    return one_scene_per_scenario(90_000)

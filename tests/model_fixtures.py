@@ -1,4 +1,4 @@
-"""Tiny random models and synthetic samples for model and training tests."""
+"""Tiny random models, synthetic samples and simulator scenes for model and training tests."""
 
 import numpy as np
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -44,6 +44,17 @@ def text_model(seed: int = 0) -> BlockDiffusionModel:
         tie_word_embeddings=True,
     )
     return BlockDiffusionModel(Qwen2ForCausalLM(config).eval(), tokenizer)
+
+
+def one_scene_per_scenario(first_seed: int) -> list[DrivingSample]:
+    """One fresh scene per scenario type, episode `first_seed + k` of the k-th: the first second of a default
+    scenario's 9 s, the first after the staged event of a reactive one's (which runs its whole 12 s for it)."""
+    from fastddrive.data.highway import DEFAULT_SCENARIOS, SCENARIOS, episode_samples
+
+    return [
+        episode_samples(name, first_seed + k, max_duration_s=9 if name in DEFAULT_SCENARIOS else None)[0]
+        for k, name in enumerate(SCENARIOS)
+    ]
 
 
 def synthetic_sample(seed: int = 0) -> DrivingSample:

@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from fastddrive.data.highway import DEFAULT_SCENARIOS, SCENARIOS, episode_samples
 from fastddrive.decode import DecoderError, decode, jacobi_mr
 from fastddrive.decode.jacobi_mr import NgramPool, layout
 from fastddrive.planner import load
-from model_fixtures import peaky_case
+from model_fixtures import one_scene_per_scenario, peaky_case
 
 
 @pytest.fixture(scope="module", params=[("qwen2", 0), ("qwen2.5-vl", 2), ("qwen2", 7)])
@@ -111,12 +110,8 @@ def test_spawn_threshold_is_ceil_of_ratio_times_block():
 
 @pytest.fixture(scope="module")
 def scenes():
-    """One fresh scene per scenario type (seeds far from the training episodes): the first second of a default
-    scenario's, the first after the staged event of a reactive one's (which runs its whole 12 s for it)."""
-    return [
-        episode_samples(name, 91_000 + k, max_duration_s=9 if name in DEFAULT_SCENARIOS else None)[0]
-        for k, name in enumerate(SCENARIOS)
-    ]
+    """One fresh scene per scenario type (seeds far from the training episodes)."""
+    return one_scene_per_scenario(91_000)
 
 
 @pytest.mark.parametrize("name", ["default", "default-ar", "default-jf"])

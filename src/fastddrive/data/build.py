@@ -150,18 +150,28 @@ def _episode_key(job: EpisodeJob) -> str:
     return f"{job.index:05d}-{job.scenario}"
 
 
-def _settings(episodes: int, seed: int, scenarios: list[str], rater_splits: tuple[str, ...]) -> dict[str, object]:
-    from fastddrive.data.highway import FRAME_SIZE_PX, SAMPLE_RULE_VERSION, SIMULATION_HZ
-    from fastddrive.data.raters import DRIVERS, RULE_VERSION
+def simulator_settings(source: str, episodes: int, seed: int, scenarios: list[str]) -> dict[str, object]:
+    """The settings every data set of simulated episodes records first (the generator's, DAgger's): who made
+    it, with which highway-env, which episodes, and the frames' size and simulation rate."""
+    from fastddrive.data.highway import FRAME_SIZE_PX, SIMULATION_HZ
 
     return {
-        "source": SOURCE,
+        "source": source,
         "highway_env_version": version("highway-env"),
         "episodes": episodes,
         "seed": seed,
         "scenarios": scenarios,
         "frame_size_px": list(FRAME_SIZE_PX),
         "simulation_hz": SIMULATION_HZ,
+    }
+
+
+def _settings(episodes: int, seed: int, scenarios: list[str], rater_splits: tuple[str, ...]) -> dict[str, object]:
+    from fastddrive.data.highway import SAMPLE_RULE_VERSION
+    from fastddrive.data.raters import DRIVERS, RULE_VERSION
+
+    return {
+        **simulator_settings(SOURCE, episodes, seed, scenarios),
         "sample_rule_version": SAMPLE_RULE_VERSION,  # which steps make a sample (highway.sample_steps)
         # Which splits carry simulated raters, and by which drivers and score rule (data/raters.py).
         "raters": {

@@ -316,6 +316,12 @@ class DrivingDataset:
         """The manifest's shard records, or None for a dataset written before shards were recorded."""
         return self.manifest.get(SHARDS)
 
+    def fingerprint(self) -> str:
+        """sha256 of the shard records (size and sha256 of every shard): two data sets with the same fingerprint
+        hold the same samples. A data set written before shards were recorded: of its manifest."""
+        records = self.records if self.records is not None else self.manifest
+        return hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()
+
     def _check_split(self, split: str) -> None:
         if split not in SPLITS:
             raise DatasetError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")

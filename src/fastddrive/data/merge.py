@@ -16,7 +16,6 @@ The merge is built beside `--out` and takes its place only when whole (build.sta
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,13 +36,6 @@ class MergeReport:
     samples: dict[str, int]  # per split
     shards: int
     seconds: float
-
-
-def fingerprint(dataset: DrivingDataset) -> str:
-    """sha256 of the data set's shard records (size and sha256 of every shard), as training fingerprints a data
-    set: equal fingerprints, equal samples. One written before shards were recorded: of its manifest."""
-    records = dataset.records if dataset.records is not None else dataset.manifest
-    return hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()
 
 
 def _open_sources(sources: Sequence[str | Path]) -> list[DrivingDataset]:
@@ -87,7 +79,7 @@ def merge_settings(datasets: list[DrivingDataset]) -> dict[str, object]:
     """The merge's settings: what each source is, by its own settings and its shards' fingerprint."""
     return {
         "source": SOURCE,
-        "sources": [{"settings": d.manifest["settings"], "fingerprint": fingerprint(d)} for d in datasets],
+        "sources": [{"settings": d.manifest["settings"], "fingerprint": d.fingerprint()} for d in datasets],
     }
 
 

@@ -29,7 +29,6 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +40,12 @@ from fastddrive.data.build import (
     EpisodeResult,
     build_episodes,
     check_build_settings,
+    simulator_settings,
 )
 from fastddrive.data.dataset import write_shard
 from fastddrive.data.episodes import EpisodeJob, plan_episodes
 from fastddrive.data.expert import STEP_HZ, ExpertVehicle
 from fastddrive.data.highway import (
-    FRAME_SIZE_PX,
-    SIMULATION_HZ,
     EpisodeLog,
     Step,
     build_sample,
@@ -266,13 +264,7 @@ def collection_settings(settings: DaggerSettings, planner: dict[str, object], de
     """The manifest's settings: a rerun with the same ones resumes, another is refused. `planner` says who drove
     (the model's name and digest and `decoder`, or the import path of an injected policy's factory)."""
     return {
-        "source": SOURCE,
-        "highway_env_version": version("highway-env"),
-        "episodes": settings.episodes,
-        "seed": settings.seed,
-        "scenarios": list(settings.scenarios),
-        "frame_size_px": list(FRAME_SIZE_PX),
-        "simulation_hz": SIMULATION_HZ,
+        **simulator_settings(SOURCE, settings.episodes, settings.seed, list(settings.scenarios)),
         "planner": planner,
         "latency": settings.latency.describe(decoder),
         "replan_s": settings.replan_s,

@@ -7,7 +7,6 @@ from a checkpoint takes exactly the steps an uninterrupted run would have taken.
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import json
 import math
@@ -374,13 +373,6 @@ def _check_out(config: TrainConfig, init: Path | None) -> Path:
     return out
 
 
-def dataset_fingerprint(dataset: DrivingDataset) -> str:
-    """sha256 of the data set's shard records (size and sha256 of every shard): two data sets with the same
-    fingerprint hold the same samples. A data set written before shards were recorded: of its manifest."""
-    records = dataset.records if dataset.records is not None else dataset.manifest
-    return hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()
-
-
 def _check_rows(data: str, split: str, rows: list[dict[str, Any]]) -> None:
     """Refuse a data set holding a sample whose numbers are not finite, naming it: a NaN in a prompt trains
     the model on the text 'nan' without a word."""
@@ -398,7 +390,7 @@ def run_record(config: TrainConfig, dataset: DrivingDataset, trajectories: Traje
     data set and of the trajectories (the jf recipe)."""
     return {
         "config": json.loads(json.dumps(config.model_dump(mode="json"))),
-        "data": dataset_fingerprint(dataset),
+        "data": dataset.fingerprint(),
         "trajectories": trajectories.digest if trajectories is not None else None,
     }
 
