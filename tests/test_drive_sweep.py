@@ -11,6 +11,7 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image, ImageSequence
 from typer.testing import CliRunner
@@ -22,6 +23,7 @@ from fastddrive.core.schema import CRITICAL_OBJECT_CLASSES, DrivingResponse, Met
 from fastddrive.decode.result import DecodeResult
 from fastddrive.drive.latency import LatencyError, parse_named_ms, parse_sweep
 from fastddrive.drive.latency_curve import draw_latency_curve, measured_marks
+from fastddrive.drive.paired import excludes_zero, paired_difference
 from fastddrive.drive.sweep import check_sweep, run_sweep
 from fastddrive.drive.video import LABEL_PX, side_by_side_frames, write_side_by_side
 
@@ -82,6 +84,14 @@ def test_a_sweep_drives_each_latency_once_and_the_references_once(swept, monkeyp
     assert len(list((out / "episodes").glob("*.json"))) == 3 * 2 + 3
     payload = report.to_json()
     assert payload["settings"]["latency"] == "sweep" and payload["settings"]["sweep_ms"] == [0.0, 1500.0, 500.0]
+    # Paired over the same episodes: ss against ar at each latency, then each decoder against itself at the first.
+    sides = [tuple((p[s]["planner"], p[s]["latency"]) for s in "ab") for p in payload["paired"]]
+    at = {ms: f"fixed {ms} ms" for ms in (0, 500, 1500)}
+    assert sides == [
+        *((("ar", at[ms]), ("ss", at[ms])) for ms in (0, 1500, 500)),
+        *(((d, at[0]), (d, at[ms])) for ms in (1500, 500) for d in ("ar", "ss")),
+    ]
+    assert all(p["episodes"] == 1 and p["interval_95"] is None for p in payload["paired"])  # one episode: no interval
     # Everything is on disk: a second sweep resumes without a model (loading one would fail here).
     monkeypatch.setattr(planner_module, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     started = []
@@ -241,3 +251,26 @@ def test_the_parsers_refuse_what_the_command_refuses(tmp_path):
         run_module.check_settings(latency="sweep:0,250", out=tmp_path)
     with pytest.raises(LatencyError, match="needs a decoder"):
         check_sweep("sweep:0,250", decoders=[], references=True, out=tmp_path)
+
+
+def _result(label: str, seed: int, score: float, scenario: str = "merge") -> dict:
+    return {"label": label, "latency": "zero", "scenario": scenario, "seed": seed, "metrics": {"driving_score": score}}
+
+
+def test_a_paired_difference_is_taken_episode_by_episode_over_the_episodes_both_drove():
+    rng = np.random.default_rng(3)
+    base = rng.uniform(0.2, 0.9, 40)  # the episodes differ far more than the planners do
+    results = [_result("ar", seed, score) for seed, score in enumerate(base)]
+    results += [_result("ss", seed, score + 0.02 + rng.normal(0, 0.01)) for seed, score in enumerate(base)]
+    results += [_result("ss", 99, 1.0), _result("ar", 98, 0.0)]  # driven by one planner only: left out
+    pair = paired_difference(results, ("ar", "zero"), ("ss", "zero"))
+    assert pair["episodes"] == 40 and pair["mean_difference"] == pytest.approx(0.02, abs=0.005)
+    low, high = pair["interval_95"]
+    assert 0 < low < pair["mean_difference"] < high < 0.03 and excludes_zero(pair)
+    assert paired_difference(results, ("ar", "zero"), ("ss", "zero")) == pair  # the same results, the same interval
+    # Unpaired, the same scores would not tell the planners apart: their spread swamps the difference.
+    assert np.std(base) / np.sqrt(40) > 0.02
+    noise = [_result("ar", s, 0.5) for s in range(20)] + [_result("ss", s, 0.5 + (-1) ** s * 0.1) for s in range(20)]
+    assert not excludes_zero(paired_difference(noise, ("ar", "zero"), ("ss", "zero")))
+    alone = paired_difference([_result("ar", 1, 0.3), _result("ss", 1, 0.5)], ("ar", "zero"), ("ss", "zero"))
+    assert alone["episodes"] == 1 and alone["interval_95"] is None and not excludes_zero(alone)

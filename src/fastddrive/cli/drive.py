@@ -73,7 +73,7 @@ def drive_command(
     from fastddrive.core.outputs import check_file_destination, write_json
     from fastddrive.drive import DriveError
     from fastddrive.drive.latency import parse_named_ms
-    from fastddrive.drive.summary import rows_table, scenario_table
+    from fastddrive.drive.summary import paired_table, rows_table, scenario_table
     from fastddrive.drive.sweep import check_pair, check_sweep, run_sweep, side_by_side_videos
     from fastddrive.drive.video import SIDE_BY_SIDE
     from fastddrive.engine.model_files import model_path
@@ -135,6 +135,8 @@ def drive_command(
         progress.stop()
     console.print(rows_table(report.rows, report.title))  # it has a latency column
     console.print(scenario_table(report.shown_rows))
+    if pairs := report.paired:
+        console.print(paired_table(pairs))
     console.print(f"{report.seconds:.0f} s; wrote {report.summary_png}" + (f" and GIFs in {video}" if video else ""))
     if pair is not None:
         videos = side_by_side_videos(report, pair)

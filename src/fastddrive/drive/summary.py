@@ -107,6 +107,25 @@ def scenario_table(rows: Sequence[dict[str, Any]]) -> Table:
     return table
 
 
+def paired_table(pairs: Sequence[dict[str, Any]]) -> Table:
+    """The paired differences (drive/paired.py): b minus a over the episodes both drove, with the 95% interval."""
+    table = Table(title="driving score, b - a over the same episodes (95% bootstrap interval)")
+    for column in ("b", "a", "episodes", "b - a", "95% interval", "measurably"):
+        table.add_column(column, justify="left" if column in ("b", "a", "measurably") else "right")
+    for pair in pairs:
+        interval, mean = pair["interval_95"], pair["mean_difference"]
+        verdict = "" if interval is None else "better" if interval[0] > 0 else "worse" if interval[1] < 0 else "no"
+        table.add_row(
+            f"{pair['b']['planner']} ({pair['b']['latency']})",
+            f"{pair['a']['planner']} ({pair['a']['latency']})",
+            str(pair["episodes"]),
+            "" if mean is None else f"{mean:+.3f}",
+            "" if interval is None else f"[{interval[0]:+.3f}, {interval[1]:+.3f}]",
+            verdict,
+        )
+    return table
+
+
 def draw_summary(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path:
     """PNG: driving score per scenario and planner; route completion, collision and off-road rates."""
     scenarios = list(dict.fromkeys(s for row in rows for s in row["by_scenario"]))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import numpy as np
 from fastddrive.decode.registry import parse_decoder_spec
 from fastddrive.drive import DriveError
 from fastddrive.drive.latency import Latency, LatencyError, parse_sweep
+from fastddrive.drive.paired import paired_difference
 from fastddrive.drive.policies import DecoderPolicy
 from fastddrive.drive.run import (
     DriveReport,
@@ -73,14 +75,24 @@ class SweepReport:
             f"{', '.join(f'{ms:g}' for ms in self.sweep_ms)} ms, replanning every {s.replan_s} s ({s.device})"
         )
 
+    @cached_property
+    def paired(self) -> list[dict[str, Any]]:
+        """Driving-score differences over the same episodes (drive/paired.py): every later decoder against every
+        earlier one in each run and, in a sweep, each decoder at every latency against itself at the first."""
+        results = [o.result for run in self.runs for o in run.outcomes if o.result is not None]
+        sides = [[(d, run.settings.latency.describe(d)) for d in run.settings.decoders] for run in self.runs]
+        pairs = [(run[i], run[j]) for run in sides for i in range(len(run)) for j in range(i + 1, len(run))]
+        pairs += [(sides[0][k], run[k]) for run in sides[1:] for k in range(len(run))]
+        return [paired_difference(results, a, b) for a, b in pairs]
+
     def to_json(self) -> dict[str, Any]:
-        """`{"settings": ..., "rows": [...]}` as DriveReport's; a sweep's settings say `latency: "sweep"` and
-        give `sweep_ms` in place of `fixed_ms`."""
+        """`{"settings": ..., "rows": [...], "paired": [...]}`, settings as DriveReport's; a sweep's say
+        `latency: "sweep"` and give `sweep_ms` in place of `fixed_ms`."""
         settings = self.runs[0].to_json()["settings"]
         if self.sweep_ms is not None:
             settings.pop("fixed_ms")
             settings |= {"latency": "sweep", "sweep_ms": self.sweep_ms}
-        return {"settings": settings, "rows": self.rows}
+        return {"settings": settings, "rows": self.rows, "paired": self.paired}
 
 
 def check_sweep(latency: str = "measured", **fields: Any) -> list[DriveSettings]:
