@@ -5,7 +5,9 @@ Cheap policies stand in for the model where the planner's quality does not matte
 embedded model through the command line. Episodes are short (`duration_s` 4 to 5: one to four questions)."""
 
 import hashlib
+import json
 import pickle
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +84,7 @@ def test_samples_are_the_planners_states_labelled_with_the_experts_rollout_from_
     # the data generator's, answer included (the same labelling rules).
     theirs = expert_drive[3.0]
     assert first.time_s == 3.0 and first.response == theirs.response
+    assert np.array_equal(first.image, theirs.image)  # the frame too, the other cars' past boxes included
     assert np.array_equal(first.future, theirs.future) and np.array_equal(first.history, theirs.history)
     # A second later the braking car is where the expert's episode never was.
     assert np.abs(later.history - expert_drive[4.0].history).max() > 1.0
@@ -181,6 +184,14 @@ def test_a_round_collects_with_the_model_merges_with_the_data_and_trains(tmp_pat
     expected = {s.sample_id for source in sources for split in SPLITS for s in source.samples(split)}
     assert ids == expected and len(aggregate) == len(sources[0]) + len(sources[1])
     _refused(_run("data", "merge", union, collected, "--out", tmp_path / "twice"), "is in both")
+    # Frames drawn before the past boxes (data/past_boxes.py) do not mix with today's, through a merge too.
+    old = tmp_path / "sim-before-past-boxes"
+    shutil.copytree(sim, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["settings"]["frame_past_boxes_s"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    for first in (collected, union):
+        _refused(_run("data", "merge", first, old, "--out", tmp_path / "mixed"), str(old), "past boxes none")
 
     quick = dict(validation_samples=2, log_every=1, checkpoint_every=2, validate_every=1000, warmup_steps=1)
     config = load_config("tiny-ar", data=str(union), out=str(tmp_path / "run"), steps=1, architecture=SMALL, **quick)

@@ -28,6 +28,17 @@ def test_frames_are_rendered_not_blank(lane_change_episode):
         assert ego_green.sum() > 50  # the ego is drawn in its own colour
 
 
+def test_a_car_the_ego_closes_on_leaves_its_past_boxes_in_the_frame(braking_episode):
+    """data/past_boxes.py: the slow car ahead was farther away 0.5 s and 1 s ago, so its past boxes are drawn."""
+
+    def past_box_pixels(image: np.ndarray) -> int:
+        r, g, b = (image[..., k].astype(int) for k in range(3))
+        return int(((r > 140) & (g > 100) & (g < 140) & (b < 80)).sum())  # orange over the grey road
+
+    counts = [past_box_pixels(sample.image) for sample in braking_episode]
+    assert max(counts) > 100, counts
+
+
 def test_samples_are_one_second_apart_with_a_quarter_second_future(lane_change_episode):
     times = [s.time_s for s in lane_change_episode]
     assert times[0] == pytest.approx(3.0)

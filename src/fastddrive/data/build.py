@@ -152,8 +152,9 @@ def _episode_key(job: EpisodeJob) -> str:
 
 def simulator_settings(source: str, episodes: int, seed: int, scenarios: list[str]) -> dict[str, object]:
     """The settings every data set of simulated episodes records first (the generator's, DAgger's): who made
-    it, with which highway-env, which episodes, and the frames' size and simulation rate."""
+    it, with which highway-env, which episodes, the frames' size and past boxes, and the simulation rate."""
     from fastddrive.data.highway import FRAME_SIZE_PX, SIMULATION_HZ
+    from fastddrive.data.past_boxes import PAST_BOX_AGES_S
 
     return {
         "source": source,
@@ -162,6 +163,7 @@ def simulator_settings(source: str, episodes: int, seed: int, scenarios: list[st
         "seed": seed,
         "scenarios": scenarios,
         "frame_size_px": list(FRAME_SIZE_PX),
+        "frame_past_boxes_s": list(PAST_BOX_AGES_S),  # the other cars' past drawn in (data/past_boxes.py)
         "simulation_hz": SIMULATION_HZ,
     }
 

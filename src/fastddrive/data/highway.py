@@ -9,7 +9,7 @@ the end of the road or the end of the episode.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +20,7 @@ from fastddrive.core.sample import FUTURE_STEPS, HISTORY_STEPS, CameraView, Driv
 from fastddrive.core.schema import DrivingResponse
 from fastddrive.data import labels as rules
 from fastddrive.data.expert import STEP_HZ, ExpertVehicle
+from fastddrive.data.past_boxes import PAST_BOX_AGES_S, draw_past_boxes
 from fastddrive.data.raters import RaterSet, rate
 from fastddrive.data.reactive import (
     IDM_COMFORT_ACC_MPS2,
@@ -243,6 +244,21 @@ def route_turn_rad(vehicle: IDMVehicle, lookahead_m: float = ROUTE_LOOKAHEAD_M) 
     return float(-(unwrapped[-1] - unwrapped[0]))  # world y points down: clockwise is a right turn
 
 
+Scene = tuple[VehicleState, Mapping[int, VehicleState]]  # the ego and the other cars by id, at one step
+
+
+def render_frame(
+    env: gym.Env, scenes: Sequence[Scene], pixels_per_metre: float, ego_pixel: tuple[float, float]
+) -> np.ndarray:
+    """The frame the planner sees now: the renderer's, with the other cars' past boxes (data/past_boxes.py).
+
+    scenes: one per 0.25 s step up to now (the last), at least the oldest past box's age of them.
+    """
+    past = [scenes[-1 - round(age * STEP_HZ)] for age in PAST_BOX_AGES_S]
+    ego, others = scenes[-1]
+    return draw_past_boxes(env.render(), ego, others, past, pixels_per_metre, ego_pixel)
+
+
 def vehicle_state(vehicle: Any) -> VehicleState:
     """A highway-env vehicle's state, copied (world frame of the simulator)."""
     return VehicleState(
@@ -253,6 +269,11 @@ def vehicle_state(vehicle: Any) -> VehicleState:
         crashed=bool(vehicle.crashed),
         size=(float(vehicle.LENGTH), float(vehicle.WIDTH)),
     )
+
+
+def scene_of(sim: Any, driver: Any) -> Scene:
+    """The ego (`driver`) and the other cars by id, copied."""
+    return vehicle_state(driver), {id(v): vehicle_state(v) for v in sim.road.vehicles if v is not driver}
 
 
 def _lane_change(expert: IDMVehicle, previous: tuple, current: tuple) -> int:
@@ -269,14 +290,15 @@ def _lane_change(expert: IDMVehicle, previous: tuple, current: tuple) -> int:
 def record_step(sim: Any, driver: Any, previous_lane: tuple, turn_rad: float | None = None) -> Step:
     """The scene at this step, `driver` in the ego seat, `previous_lane` its lane at the step before (a lane
     change completed is read off it); `turn_rad` stands for the route's turn when given."""
+    ego, others = scene_of(sim, driver)
     return Step(
         time_s=float(sim.time),
-        ego=vehicle_state(driver),
+        ego=ego,
         lane_change=_lane_change(driver, previous_lane, driver.lane_index),
         yielding=bool(getattr(driver, "is_yielding", False)),
         route_turn_rad=route_turn_rad(driver) if turn_rad is None else turn_rad,
         lane_heading=float(driver.lane.heading_at(driver.lane.local_coordinates(driver.position)[0])),
-        others={id(v): vehicle_state(v) for v in sim.road.vehicles if v is not driver},
+        others=dict(others),
         events_begun=events_begun(sim.road.vehicles),
     )
 
@@ -325,7 +347,8 @@ def simulate_episode(
             step = record_step(sim, expert, lane)
             lane = expert.lane_index
             if k % SAMPLE_EVERY_STEPS == 0 and k >= (HISTORY_STEPS - 1) * HISTORY_STRIDE:
-                step.frame = env.render()
+                scenes = [(s.ego, s.others) for s in log.steps[-round(PAST_BOX_AGES_S[-1] * STEP_HZ) :]]
+                step.frame = render_frame(env, [*scenes, (step.ego, step.others)], pixels_per_metre, ego_pixel)
                 if raters and sim.time + FUTURE_STEPS / STEP_HZ <= duration + 1e-9:
                     step.raters = rate(sim)
             log.steps.append(step)

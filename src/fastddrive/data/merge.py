@@ -51,7 +51,33 @@ def _open_sources(sources: Sequence[str | Path]) -> list[DrivingDataset]:
         why = unfinished(dataset)
         if why is not None:
             raise DatasetError(f"{dataset.root} is not a complete data set ({why}); finish it before merging it")
+    _check_frames(datasets)
     return datasets
+
+
+def _simulator_frames(settings: dict) -> set[tuple[str, str]]:
+    """How the simulator frames of a data set were drawn (size, past boxes), through merges of merges."""
+    if "sources" in settings:
+        return {f for source in settings["sources"] for f in _simulator_frames(source["settings"])}
+    if "frame_size_px" not in settings:
+        return set()  # camera frames (WOD-E2E, nuScenes): not the simulator's
+    return {(str(settings["frame_size_px"]), str(settings.get("frame_past_boxes_s", "none")))}
+
+
+def _check_frames(datasets: list[DrivingDataset]) -> None:
+    """DatasetError when two sources' simulator frames are drawn differently: a model trained on both would
+    learn two pictures of one scene (data/past_boxes.py)."""
+    seen: dict[tuple[str, str], Path] = {}
+    for dataset in datasets:
+        for frames in sorted(_simulator_frames(dataset.manifest["settings"])):
+            other = next((root for key, root in seen.items() if key != frames), None)
+            if other is not None:
+                size, boxes = frames
+                raise DatasetError(
+                    f"{dataset.root} draws its frames at {size} px with past boxes {boxes}, {other} otherwise; "
+                    "remake the older one with this version's `data highway` or `data dagger`"
+                )
+            seen[frames] = dataset.root
 
 
 def _check_ids(datasets: list[DrivingDataset]) -> dict[str, int]:

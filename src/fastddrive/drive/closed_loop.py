@@ -37,9 +37,10 @@ from fastddrive.data.highway import (
     command_of,
     ego_history,
     frame_geometry,
+    render_frame,
     route_turn_rad,
+    scene_of,
     seeded_episode,
-    vehicle_state,
 )
 from fastddrive.data.raters import simulator_copy
 from fastddrive.drive.controller import TrackingController
@@ -229,10 +230,13 @@ def drive_episode(
     duration = spec.max_duration_s if duration_s is None else duration_s
     with seeded_episode(scenario, seed) as (env, sim, expert):
         idle = sim.action_type.actions_indexes["IDLE"]
-        egos = [vehicle_state(expert)]
+        # The scene every 0.25 s: the history's ego states and the frame's past boxes. Cars are keyed by id();
+        # holding every car to the end stops a later one from reusing a departed one's id (see data/highway.py).
+        scenes, alive = [scene_of(sim, expert)], {id(v): v for v in sim.road.vehicles}
         while sim.time < HANDOVER_S - _EPS:
             sim.step(idle)
-            egos.append(vehicle_state(expert))
+            alive.update((id(v), v) for v in sim.road.vehicles)
+            scenes.append(scene_of(sim, expert))
         route = Route.ahead_of(expert, duration - sim.time)
         route = route.with_goal(expert_goal_m(sim, route, duration))
         label = EXPERT_DRIVES if policy is None else policy.label
@@ -242,7 +246,7 @@ def drive_episode(
         car = expert if policy is None else take_over(sim, expert, controller or TrackingController())
         if policy is not None:
             policy.start(expert)
-            history = ego_history(egos)
+            history = ego_history([ego for ego, _ in scenes])
             hold = constant_velocity_m(history, NUM_WAYPOINTS, WAYPOINT_INTERVAL_S)
             car.schedule(
                 sim.time, TimedPath.from_waypoints(hold, history[-1, 2:4], car.position, car.heading, sim.time)
@@ -268,8 +272,8 @@ def drive_episode(
             if policy is not None and now >= ask_s - _EPS:
                 observation = Observation(
                     time_s=now,
-                    frame=env.render(),
-                    history=ego_history(egos),
+                    frame=render_frame(env, scenes, pixels_per_metre, ego_pixel),
+                    history=ego_history([ego for ego, _ in scenes]),
                     command=command_of(route_turn_rad(car)),
                     position_m=car.position.copy(),
                     heading_rad=float(car.heading),
@@ -287,7 +291,8 @@ def drive_episode(
                 trace.plans.append(PlanEvent(now, due_s, None, charged, proposal.measured_ms, wall_s, valid))
                 ask_s = _next_ask_s(now, due_s, replan_s)
             sim.step(idle)
-            egos.append(vehicle_state(car))
+            alive.update((id(v), v) for v in sim.road.vehicles)
+            scenes.append(scene_of(sim, car))
         if isinstance(car, TrackedVehicle):
             in_force = iter(car.in_force_s[1:])  # the first is the hand-over plan
             for event in (e for e in trace.plans if e.valid):
