@@ -9,7 +9,7 @@ the end of the road or the end of the episode.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -244,7 +244,7 @@ def route_turn_rad(vehicle: IDMVehicle, lookahead_m: float = ROUTE_LOOKAHEAD_M) 
     return float(-(unwrapped[-1] - unwrapped[0]))  # world y points down: clockwise is a right turn
 
 
-Scene = tuple[VehicleState, Mapping[int, VehicleState]]  # the ego and the other cars by id, at one step
+Scene = tuple[VehicleState, dict[int, VehicleState]]  # the ego and the other cars by id, at one step
 
 
 def render_frame(
@@ -298,7 +298,7 @@ def record_step(sim: Any, driver: Any, previous_lane: tuple, turn_rad: float | N
         yielding=bool(getattr(driver, "is_yielding", False)),
         route_turn_rad=route_turn_rad(driver) if turn_rad is None else turn_rad,
         lane_heading=float(driver.lane.heading_at(driver.lane.local_coordinates(driver.position)[0])),
-        others=dict(others),
+        others=others,
         events_begun=events_begun(sim.road.vehicles),
     )
 
