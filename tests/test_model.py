@@ -72,3 +72,26 @@ def test_a_draft_block_after_committed_tokens_keeps_them_causal():
         [True, True, True, True],
     ]
     assert block_mask(3).all()
+
+
+def test_attention_laid_out_as_cudas_kernels_return_it_gives_the_same_ids(monkeypatch):
+    """CUDA's attention kernels may return (rows, heads, n, d) over the memory of (rows, n, heads, d); the layer
+    stack must not assume a contiguous result (a `view` there stopped greedy AR on a GPU)."""
+    from fastddrive.data.highway import episode_samples
+    from fastddrive.planner import load
+
+    scene = episode_samples("merge", 90_001, max_duration_s=9)[0]
+    planner = load("default", dtype=torch.float32)
+    expected = {name: planner.plan(scene, name).token_ids for name in ("ar", "ss")}
+    contiguous = torch.nn.functional.scaled_dot_product_attention
+    laid_out = []
+
+    def as_cuda_lays_it_out(*args, **kwargs):
+        attended = contiguous(*args, **kwargs)
+        laid_out.append(attended.shape)
+        return attended.transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", as_cuda_lays_it_out)
+    for name, ids in expected.items():
+        assert planner.plan(scene, name).token_ids == ids, name
+    assert laid_out

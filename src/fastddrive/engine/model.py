@@ -351,7 +351,7 @@ class BlockDiffusionModel:
             if group > 1:
                 attended = F.scaled_dot_product_attention(
                     q.reshape(rows, kv_heads, group * n, dim), keys, values, scale=weights.scaling
-                ).view(rows, heads, n, dim)
+                ).reshape(rows, heads, n, dim)  # CUDA's kernels may return it laid out (rows, group * n, kv_heads, d)
             else:
                 attended = F.scaled_dot_product_attention(
                     q, keys, values, attn_mask=mask, is_causal=is_causal, scale=weights.scaling, enable_gqa=True
