@@ -50,9 +50,9 @@ def embedded():
     return load("default")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def scenes():
-    """One fresh scene per scenario type (seeds far from the training episodes)."""
+    """One fresh scene per scenario type (seeds far from the training episodes); read only, made once."""
     from model_fixtures import one_scene_per_scenario
 
     return one_scene_per_scenario(90_000)

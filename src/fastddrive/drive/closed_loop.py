@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,7 @@ from fastddrive.drive.route import Route
 
 HANDOVER_S = (HISTORY_STEPS - 1) * HISTORY_STRIDE / STEP_HZ  # 3 s: the planner's history is full
 RECORD_S = 1.0 / STEP_HZ
+SCENES_KEPT = (HISTORY_STEPS - 1) * HISTORY_STRIDE + 2  # the history's states and the one before its first
 END_REASONS = ("goal", "collision", "offroad", "timeout")
 _EPS = 1e-9
 
@@ -230,9 +232,11 @@ def drive_episode(
     duration = spec.max_duration_s if duration_s is None else duration_s
     with seeded_episode(scenario, seed) as (env, sim, expert):
         idle = sim.action_type.actions_indexes["IDLE"]
-        # The scene every 0.25 s: the history's ego states and the frame's past boxes. Cars are keyed by id();
-        # holding every car to the end stops a later one from reusing a departed one's id (see data/highway.py).
-        scenes, alive = [scene_of(sim, expert)], {id(v): v for v in sim.road.vehicles}
+        # The scene every 0.25 s, as far back as the history (and its first acceleration) and the frame's past
+        # boxes read. Cars are keyed by id(); holding every car to the end stops a later one from reusing a
+        # departed one's id (see data/highway.py).
+        scenes = deque([scene_of(sim, expert)], maxlen=SCENES_KEPT)
+        alive = {id(v): v for v in sim.road.vehicles}
         while sim.time < HANDOVER_S - _EPS:
             sim.step(idle)
             alive.update((id(v), v) for v in sim.road.vehicles)

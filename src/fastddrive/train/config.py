@@ -135,7 +135,7 @@ class TrainConfig(BaseModel):
     checkpoint_every: int = Field(default=200, ge=1, le=MAX_STEPS)
     keep_checkpoints: int = Field(default=2, ge=1, le=1000)
     validate_every: int = Field(default=200, ge=1, le=MAX_STEPS)
-    validation_samples: int = Field(default=16, ge=1, le=100_000)
+    validation_samples: int = Field(default=16, ge=0, le=100_000)  # 0: no validation (weights that mean nothing)
     log_every: int = Field(default=10, ge=1, le=MAX_STEPS)
     seed: int = Field(default=0, ge=0, le=2**32 - 1)
 

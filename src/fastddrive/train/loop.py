@@ -651,7 +651,7 @@ def train(
             window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
             if accelerator.is_main_process:
                 _append_log(out, {"step": done, **metrics})
-        if done % config.validate_every == 0 or done == config.steps:
+        if config.validation_samples and (done % config.validate_every == 0 or done == config.steps):
             last_validation = validate(model, collator, val_samples, config, config.validation_samples, sharded)
             if accelerator.is_main_process:
                 _append_log(out, {"step": done, **last_validation})
