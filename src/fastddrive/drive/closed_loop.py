@@ -43,6 +43,7 @@ from fastddrive.data.highway import (
     scene_of,
     seeded_episode,
 )
+from fastddrive.data.past_boxes import PAST_BOX_AGES_S
 from fastddrive.data.raters import simulator_copy
 from fastddrive.drive.controller import TrackingController
 from fastddrive.drive.metrics import lead_ttc_s
@@ -52,7 +53,8 @@ from fastddrive.drive.route import Route
 
 HANDOVER_S = (HISTORY_STEPS - 1) * HISTORY_STRIDE / STEP_HZ  # 3 s: the planner's history is full
 RECORD_S = 1.0 / STEP_HZ
-SCENES_KEPT = (HISTORY_STEPS - 1) * HISTORY_STRIDE + 2  # the history's states and the one before its first
+# The history's states and the one before its first (its first acceleration), or the oldest past box's.
+SCENES_KEPT = max((HISTORY_STEPS - 1) * HISTORY_STRIDE + 2, round(max(PAST_BOX_AGES_S) * STEP_HZ) + 1)
 END_REASONS = ("goal", "collision", "offroad", "timeout")
 _EPS = 1e-9
 
