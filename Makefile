@@ -35,11 +35,13 @@ $(WAYMO_PROTOS)/.installed: | $(BIN)/python
 demo: $(VENV)/.installed
 	$(BIN)/fastddrive demo --out $(DEMO_DIR)
 
+# Two worker processes, a test file each at a time (its module fixtures made once): the suite's models are
+# small, so one process leaves a 2-core machine's second core idle most of the time.
 test: $(VENV)/.installed-test $(DEVKIT)/.installed $(WAYMO_PROTOS)/.installed
 	$(BIN)/ruff check src tests
 	$(BIN)/lint-imports
 	NUSCENES_DEVKIT_PYTHON=$(abspath $(DEVKIT))/bin/python WAYMO_PROTOS=$(abspath $(WAYMO_PROTOS)) HF_HUB_OFFLINE=1 \
-		$(BIN)/python -m pytest -q
+		$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check src tests

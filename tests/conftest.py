@@ -3,6 +3,10 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["SDL_VIDEODRIVER"] = "offscreen"
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # One thread per worker process (and the processes its tests start): the workers share the cores, and
+    # OpenMP threads that outnumber them spin waiting for each other.
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402

@@ -108,6 +108,9 @@ def test_the_imported_tensors_equal_the_sources_under_the_name_mapping(imported)
     assert said and said[0].startswith("imported fast_dllm_qwen2_5_vl")
 
 
+# The two layouts differ only in the tensor names the import maps (the test above checks each against the same
+# source weights), so what is read from the written folder is tested on one of them.
+@pytest.mark.parametrize("imported", ["current"], indirect=True)
 def test_the_imported_folder_plans_and_the_lossless_decoders_give_ars_ids(imported):
     planner = load(imported[1])
     rng = np.random.default_rng(0)
@@ -217,6 +220,7 @@ def peaky_release(imported):
     return model, prompt, planner.scaffold, reference
 
 
+@pytest.mark.parametrize("imported", ["current"], indirect=True)  # one layout: see the plan test
 @pytest.mark.parametrize("rate", [0.0, 0.2])
 def test_every_lossless_decoder_gives_ars_ids_on_the_release_layout_with_drafts_of_known_quality(
     peaky_release, monkeypatch, rate
@@ -272,11 +276,10 @@ def test_training_continues_the_imported_model_in_the_release_layout(
         init_from=str(imported[1]),
         data=str(merge_episodes),
         out=str(base / "run"),
-        steps=2,
+        steps=1,
         batch_size=1,
-        validation_samples=1,
-        validate_every=1000,
-        checkpoint_every=2,
+        validation_samples=0,  # the random weights' answers mean nothing
+        checkpoint_every=1,
         warmup_steps=1,
         image_min_pixels=56 * 56,
         image_max_pixels=112 * 56,  # small frames: the test is about the answer layout
