@@ -42,6 +42,9 @@ SIMULATION_HZ = 12  # a multiple of STEP_HZ; highway-env itself runs 5..15 Hz
 SAMPLE_EVERY_STEPS = STEP_HZ  # one sample per second
 SAMPLE_RULE_VERSION = 2  # 2: no sample whose future holds a staged event still to come (sample_steps)
 HISTORY_STRIDE = 2  # 0.5 s at 4 Hz
+# The scenes (one per 0.25 s step) that `ego_history` and `render_frame` read back from now: the history's states
+# and the one before its first (its first acceleration), or the oldest past box's.
+SCENES_READ = max((HISTORY_STEPS - 1) * HISTORY_STRIDE + 2, round(max(PAST_BOX_AGES_S) * STEP_HZ) + 1)
 FRAME_SIZE_PX = (448, 224)  # width, height: 16 x 8 Qwen2.5-VL units of 28 px
 ROUTE_LOOKAHEAD_M = 300.0
 COMMAND_TURN_RAD = np.deg2rad(30.0)

@@ -34,6 +34,7 @@ from fastddrive.data.expert import STEP_HZ, ExpertVehicle
 from fastddrive.data.highway import (
     HISTORY_STRIDE,
     SCENARIOS,
+    SCENES_READ,
     SIMULATION_HZ,
     command_of,
     ego_history,
@@ -43,7 +44,6 @@ from fastddrive.data.highway import (
     scene_of,
     seeded_episode,
 )
-from fastddrive.data.past_boxes import PAST_BOX_AGES_S
 from fastddrive.data.raters import simulator_copy
 from fastddrive.drive.controller import TrackingController
 from fastddrive.drive.metrics import lead_ttc_s
@@ -53,8 +53,6 @@ from fastddrive.drive.route import Route
 
 HANDOVER_S = (HISTORY_STEPS - 1) * HISTORY_STRIDE / STEP_HZ  # 3 s: the planner's history is full
 RECORD_S = 1.0 / STEP_HZ
-# The history's states and the one before its first (its first acceleration), or the oldest past box's.
-SCENES_KEPT = max((HISTORY_STEPS - 1) * HISTORY_STRIDE + 2, round(max(PAST_BOX_AGES_S) * STEP_HZ) + 1)
 END_REASONS = ("goal", "collision", "offroad", "timeout")
 _EPS = 1e-9
 
@@ -237,7 +235,7 @@ def drive_episode(
         # The scene every 0.25 s, as far back as the history (and its first acceleration) and the frame's past
         # boxes read. Cars are keyed by id(); holding every car to the end stops a later one from reusing a
         # departed one's id (see data/highway.py).
-        scenes = deque([scene_of(sim, expert)], maxlen=SCENES_KEPT)
+        scenes = deque([scene_of(sim, expert)], maxlen=SCENES_READ)
         alive = {id(v): v for v in sim.road.vehicles}
         while sim.time < HANDOVER_S - _EPS:
             sim.step(idle)
