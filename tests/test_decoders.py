@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 
 from fastddrive.core.scaffold import Scaffold
 from fastddrive.core.schema import parse
-from fastddrive.data.highway import episode_samples
+from fastddrive.data.highway import DEFAULT_SCENARIOS, episode_samples
 from fastddrive.decode import DECODERS, LOSSLESS, DecoderError, decode, decoder_options, speculative, tts
 from fastddrive.decode.blocks import section_blocks
 from fastddrive.decode.quadratic import quadratic_layout
@@ -112,7 +112,7 @@ def references(embedded, scenes):
 
 # 8 left out and 16 on the default scenarios' scenes only (32 on every scenario's): the suite must stay under
 # 15 minutes on 2 cores.
-@pytest.mark.parametrize(("block_size", "scenario_count"), [(16, 5), (32, None)])
+@pytest.mark.parametrize(("block_size", "scenario_count"), [(16, len(DEFAULT_SCENARIOS)), (32, None)])
 def test_lossless_decoders_equal_greedy_ar_on_the_embedded_model(
     embedded, scenes, references, block_size, scenario_count
 ):
