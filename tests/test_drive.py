@@ -13,7 +13,7 @@ import pytest
 from highway_env.vehicle.kinematics import Vehicle
 
 from fastddrive.core.schema import CRITICAL_OBJECT_CLASSES, DrivingResponse, MetaBehavior
-from fastddrive.data.highway import SIMULATION_HZ, UnknownScenario, simulate_episode
+from fastddrive.data.highway import SIMULATION_HZ, UnknownScenario, seeded_episode, simulate_episode
 from fastddrive.decode.registry import DecoderError
 from fastddrive.decode.result import DecodeResult
 from fastddrive.drive import DriveError
@@ -22,7 +22,8 @@ from fastddrive.drive.controller import TrackingController
 from fastddrive.drive.latency import Latency, LatencyError
 from fastddrive.drive.metrics import driving_score, lead_ttc_s, ttc_violation_flags
 from fastddrive.drive.plan import TimedPath
-from fastddrive.drive.policies import DecoderPolicy, ExpertPolicy
+from fastddrive.drive.policies import DecoderPolicy, ExpertPolicy, Observation
+from fastddrive.drive.route import Route
 from fastddrive.drive.run import check_settings, run_drive
 from fastddrive.engine.model_files import DeviceError
 
@@ -42,31 +43,65 @@ def _track(path: TimedPath, start: tuple[float, float], speed_mps: float, second
     """Drive highway-env's own bicycle model with the controller; cross-track and speed errors per step."""
     car = Vehicle(None, np.array(start, dtype=float), 0.0, speed_mps)
     controller = TrackingController()
-    cross, speed = [], []
+    cross, speed, positions, headings = [], [], [], []
     for k in range(round(seconds / DT)):
         t = k * DT
-        car.action = {
-            "steering": controller.steering_rad(car.position, car.heading, car.speed, path),
-            "acceleration": controller.accel_mps2(car.speed, path, t, DT),
-        }
+        steering, accel = controller.control(car.position, car.heading, car.speed, path, t, DT)
+        car.action = {"steering": steering, "acceleration": accel}
         car.step(DT)
+        positions.append(car.position.copy())
+        headings.append(car.heading)
         cross.append(_cross_track_m(path, car.position))
         speed.append(car.speed - path.speed_mps(t + DT))
-    return np.array(cross), np.array(speed)
+    return np.array(cross), np.array(speed), np.array(positions), np.array(headings)
 
 
 def test_controller_follows_a_straight_and_a_curved_trajectory():
     t = np.arange(0, 12.01, 0.25)
     # Straight at 20 m/s, starting 1.5 m to the side and 5 m/s slow: within 0.1 m and 0.2 m/s after 3 s.
     straight = TimedPath(t, np.stack([20.0 * t, np.zeros_like(t)], axis=1))
-    cross, speed = _track(straight, (0.0, 1.5), 15.0, 10.0)
+    cross, speed, _, _ = _track(straight, (0.0, 1.5), 15.0, 10.0)
     assert cross[0] > 1.0
     assert cross[36:].max() < 0.1 and np.abs(speed[36:]).max() < 0.2
     # A 40 m radius curve, speeding up from 5 m/s at 1 m/s^2 (0.6..2.5 m/s^2 sideways): within 0.2 m.
     radius, s = 40.0, 5.0 * t + 0.5 * t**2
     curve = TimedPath(t, np.stack([radius * np.sin(s / radius), radius * (1 - np.cos(s / radius))], axis=1))
-    cross, speed = _track(curve, (0.0, 0.0), 5.0, 8.0)
+    cross, speed, _, _ = _track(curve, (0.0, 0.0), 5.0, 8.0)
     assert cross.max() < 0.2 and np.abs(speed[12:]).max() < 0.1
+
+
+@pytest.mark.parametrize("speed_mps", [0.0, 1.5, 6.0])
+def test_a_plan_that_backs_up_stops_the_car_with_the_wheel_straight(speed_mps):
+    # Highway-env's expert reverses when it stopped too close; its plan then runs behind the car, slightly
+    # to the side. Steering toward it at the plan's unsigned speed turned the car round and off the road.
+    t = np.arange(0, 5.01, 0.5)
+    backing_up = TimedPath(t, np.stack([-1.2 * t, 0.3 * t], axis=1))
+    _, _, positions, headings = _track(backing_up, (0.0, 0.0), speed_mps, 5.0)
+    assert np.abs(headings).max() == 0.0  # never steered
+    assert np.all(np.diff(positions[:, 0]) >= 0.0)  # never backed up
+    # Braking at 2/s x the speed, at most at the brake limit: it stops within speed / (2/s) plus the braking
+    # distance at the limit (a bound on both phases), and stays there.
+    brake = TrackingController().limits.max_brake_mps2
+    assert positions[-1, 0] <= speed_mps / 2.0 + speed_mps**2 / (2 * brake) + 0.01
+    assert np.abs(positions[:, 1]).max() == 0.0
+    assert np.linalg.norm(positions[-1] - positions[-15]) < 0.01
+
+
+def test_the_expert_answer_goes_straight_on_past_the_end_of_its_route():
+    # The intersection's route ends at the map's edge, where highway-env's cars turn back into the map; an
+    # answer that turned back there made the tracking car cut the turn and leave the road.
+    with seeded_episode("intersection", 700029) as (_, sim, expert):
+        idle = sim.action_type.actions_indexes["IDLE"]
+        policy = ExpertPolicy(0.5)
+        policy.start(expert)
+        end = Route.ahead_of(expert, 30.0).points_m[-1]
+        while np.linalg.norm(expert.position - end) > 20.0:
+            sim.step(idle)
+        before_end = expert.position.copy()
+        answer = policy.propose(Observation(float(sim.time), None, None, "", before_end, expert.heading, sim))
+    forward, sideways = answer.waypoints_m[:, 0], answer.waypoints_m[:, 1]
+    assert forward[-1] > np.linalg.norm(end - before_end) + 5.0  # well past the route's end
+    assert np.all(np.diff(forward) > 0) and np.abs(sideways).max() < 0.5
 
 
 def test_expert_in_the_loop_reproduces_its_own_episode():

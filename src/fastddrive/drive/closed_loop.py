@@ -94,11 +94,10 @@ class TrackedVehicle(ControlledVehicle):
             return
         if self.in_force_s[k] is None:
             self.in_force_s[k] = self.clock_s
-        path = self.plans[k][1]
-        self.action = {
-            "steering": self.controller.steering_rad(self.position, self.heading, self.speed, path),
-            "acceleration": self.controller.accel_mps2(self.speed, path, self.clock_s, 1.0 / SIMULATION_HZ),
-        }
+        steering, accel = self.controller.control(
+            self.position, self.heading, self.speed, self.plans[k][1], self.clock_s, 1.0 / SIMULATION_HZ
+        )
+        self.action = {"steering": steering, "acceleration": accel}
 
     def step(self, dt: float) -> None:
         super().step(dt)

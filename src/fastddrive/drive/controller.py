@@ -4,6 +4,10 @@ The simulator's ego is highway-env's kinematic bicycle: it turns about its centr
 wheelbase and moves along heading + slip angle beta, tan(beta) = tan(steering) / 2. Pure pursuit aims the
 direction of travel at a point one look-ahead distance further along the plan; the speed loop follows the
 plan's own speed (zero once the plan runs out) with its acceleration as feed-forward.
+
+The car never reverses: a look-ahead point behind it (a plan that backs up, as highway-env's expert does
+when it stopped too close) means brake to a stop with the wheel straight. Steering toward that point at the
+plan's unsigned speed would drive forward in a circle, off the road.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from highway_env.vehicle.kinematics import Vehicle
 from fastddrive.drive.plan import TimedPath
 
 MIN_PATH_M = 0.5  # a plan shorter than this says "stand still": no direction to steer to
+STOP_GAIN_PER_S = 2.0  # braking for a plan that backs up: this times the speed, within the brake limit
 
 
 @dataclass(frozen=True)
@@ -64,8 +69,7 @@ class TrackingController:
 
     def steering_rad(self, position_m: np.ndarray, heading_rad: float, speed_mps: float, path: TimedPath) -> float:
         """Pure pursuit: the steering whose steady arc passes through the look-ahead point."""
-        distance = max(self.min_lookahead_m, self.lookahead_s * abs(speed_mps))
-        target = lookahead_point(path.points_m, position_m, distance)
+        target = lookahead_point(path.points_m, position_m, self.lookahead_m(speed_mps))
         if target is None:
             return 0.0
         offset = target - position_m
@@ -76,6 +80,22 @@ class TrackingController:
         beta = np.arctan2(ratio * np.sin(theta), 1.0 + ratio * np.cos(theta))
         steering = np.arctan(2.0 * np.tan(beta))
         return float(np.clip(steering, -self.limits.max_steering_rad, self.limits.max_steering_rad))
+
+    def control(
+        self, position_m: np.ndarray, heading_rad: float, speed_mps: float, path: TimedPath, time_s: float, dt_s: float
+    ) -> tuple[float, float]:
+        """(steering rad, acceleration m/s^2) that follow `path`; stand still for a look-ahead point behind."""
+        target = lookahead_point(path.points_m, position_m, self.lookahead_m(speed_mps))
+        if target is not None and np.dot(target - position_m, [np.cos(heading_rad), np.sin(heading_rad)]) < 0:
+            # Brake in proportion to speed so that the car comes to rest instead of rocking about zero.
+            return 0.0, float(np.clip(-STOP_GAIN_PER_S * speed_mps, -self.limits.max_brake_mps2, 0.0))
+        return (
+            self.steering_rad(position_m, heading_rad, speed_mps, path),
+            self.accel_mps2(speed_mps, path, time_s, dt_s),
+        )
+
+    def lookahead_m(self, speed_mps: float) -> float:
+        return max(self.min_lookahead_m, self.lookahead_s * abs(speed_mps))
 
     def accel_mps2(self, speed_mps: float, path: TimedPath, time_s: float, dt_s: float) -> float:
         """PID on the speed error around the plan's own acceleration, clipped to the vehicle's limits."""

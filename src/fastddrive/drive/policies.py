@@ -96,10 +96,21 @@ class ConstantVelocityPolicy:
         return Proposal(constant_velocity_m(observation.history, NUM_WAYPOINTS, WAYPOINT_INTERVAL_S), 0.0)
 
 
+def straight_on(lane: Any, along_m: float) -> np.ndarray:
+    """The point `along_m` along the middle of `lane`, continuing straight past its end."""
+    end = min(along_m, lane.length)
+    heading = lane.heading_at(end)
+    return lane.position(end, 0.0) + (along_m - end) * np.array([np.cos(heading), np.sin(heading)])
+
+
 class ExpertPolicy:
     """The IDM/MOBIL expert rolled out for 5 s in a copy of the simulator. Its decisions carry over from one
     answer to the next, as they would in the expert's own drive: the lane it is changing to, MOBIL's timer,
-    and the desired speed and yielding state that the intersection's right-of-way rules set on it."""
+    and the desired speed and yielding state that the intersection's right-of-way rules set on it.
+
+    Past the end of its planned route its answer goes straight on at the speed it had: the route ends at the
+    map's edge, where highway-env sends its cars back into the map by a U-turn, and an answer that turns back
+    there made the tracking car cut the turn and leave the road short of the route's end."""
 
     label, decoder = EXPERT_PLANS, None
 
@@ -134,14 +145,24 @@ class ExpertPolicy:
         idle = world.action_type.actions_indexes["IDLE"]
         positions = []
         every = round(WAYPOINT_INTERVAL_S * STEP_HZ)
+        last_road = car.route[-1][:2] if car.route else None
+        past_end: tuple[Any, float, float, int] | None = None  # (last lane, along it, speed, step) on leaving
         if watch is not None:
             watch(world)
         for k in range(1, NUM_WAYPOINTS * every + 1):
+            target_before = driver.target_lane_index  # it turns for the next lane before its own ends
             world.step(idle)
             if watch is not None:
                 watch(world)
             if k == self.replan_steps:
                 self.decision = {name: getattr(driver, name) for name in DECISION if hasattr(driver, name)}
+            if past_end is None and target_before[:2] == last_road and driver.target_lane_index[:2] != last_road:
+                lane = world.road.network.get_lane(target_before)
+                past_end = (lane, lane.local_coordinates(driver.position)[0], driver.speed, k)
             if k % every == 0:
-                positions.append(driver.position.copy())
+                if past_end is None:
+                    positions.append(driver.position.copy())
+                else:
+                    lane, along, speed, left_at = past_end
+                    positions.append(straight_on(lane, along + speed * (k - left_at) / STEP_HZ))
         return Proposal(to_ego(np.array(positions), observation.position_m, observation.heading_rad), 0.0)
