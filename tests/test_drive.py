@@ -104,6 +104,15 @@ def test_the_expert_answer_goes_straight_on_past_the_end_of_its_route():
     assert np.all(np.diff(forward) > 0) and np.abs(sideways).max() < 0.5
 
 
+def test_expert_plans_takes_the_roundabout_exit_its_route_names():
+    # The exit starts beside the ring, whose lane is nearer at first: a car that counted itself on the ring
+    # there kept a stale route, and the expert's rollouts from it went round the ring instead.
+    drives = drive_episode("roundabout", 700008, None, lambda _: 0.0, duration_s=8.0)
+    plans = drive_episode("roundabout", 700008, ExpertPolicy(0.5), lambda _: 0.0, duration_s=8.0)
+    assert drives.progress_m[-1] > 40.0  # past the exit, 25 m along the route
+    assert plans.end_reason == "timeout" and plans.progress_m[-1] == pytest.approx(drives.progress_m[-1], abs=2.0)
+
+
 def test_expert_in_the_loop_reproduces_its_own_episode():
     """The data's episode (same seed), first with the expert keeping the seat (exactly), then with its own 5 s
     rollouts as the plans, followed by the controller: within 1.5 m at every 0.25 s (the 1 s waypoints lose

@@ -105,10 +105,29 @@ class TrackedVehicle(ControlledVehicle):
 
     def on_state_update(self) -> None:
         super().on_state_update()
+        self.keep_to_route_branch()
         self.target_lane_index = self.lane_index
         edges = [r[:2] for r in self.route or []]
         if self.lane_index[:2] in edges:
             self.route = self.route[edges.index(self.lane_index[:2]) :]
+
+    def keep_to_route_branch(self) -> None:
+        """At a fork the nearest lane may be the branch the route does not take (a roundabout's exit starts
+        beside the ring): the car is on its route's branch while its centre is within a lane's width of that
+        branch's middle, as highway-env's own cars head for the branch their route names before they reach
+        it. Else the route, cut only on the roads the car is on, would go stale at the fork, and the
+        navigation command and the expert's rollouts read it."""
+        net = self.road.network
+        for road in [r[:2] for r in (self.route or [])[:2]]:
+            if road == self.lane_index[:2]:
+                return
+            if road[0] == self.lane_index[0]:
+                lanes = net.graph[road[0]][road[1]]
+                index = (*road, min(self.lane_index[2], len(lanes) - 1))
+                branch = net.get_lane(index)
+                if branch.on_lane(self.position, margin=branch.width_at(0.0) / 2):
+                    self.lane_index, self.lane = index, branch
+                return
 
 
 def take_over(sim: Any, driver: ControlledVehicle, controller: TrackingController) -> TrackedVehicle:

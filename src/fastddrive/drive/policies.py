@@ -129,6 +129,9 @@ class ExpertPolicy:
         driver = ExpertVehicle(
             world.road, car.position.copy(), heading=car.heading, speed=car.speed, route=list(car.route)
         )
+        # The car's own lane, which keeps to its route's branch at a fork (closed_loop.TrackedVehicle), not
+        # the nearest one the new driver would take.
+        driver.lane_index, driver.lane, driver.target_lane_index = car.lane_index, car.lane, car.lane_index
         for name, value in self.decision.items():
             if name != "target_lane_index" or value[:2] == car.lane_index[:2]:
                 setattr(driver, name, value)
