@@ -117,17 +117,17 @@ class TrackedVehicle(ControlledVehicle):
         branch's middle, as highway-env's own cars head for the branch their route names before they reach
         it. Else the route, cut only on the roads the car is on, would go stale at the fork, and the
         navigation command and the expert's rollouts read it."""
-        net = self.road.network
-        for road in [r[:2] for r in (self.route or [])[:2]]:
-            if road == self.lane_index[:2]:
-                return
-            if road[0] == self.lane_index[0]:
-                lanes = net.graph[road[0]][road[1]]
-                index = (*road, min(self.lane_index[2], len(lanes) - 1))
-                branch = net.get_lane(index)
-                if branch.on_lane(self.position, margin=branch.width_at(0.0) / 2):
-                    self.lane_index, self.lane = index, branch
-                return
+        roads = [r[:2] for r in (self.route or [])[:2]]  # the road the car is on, or the next, and the one after
+        if self.lane_index[:2] in roads:
+            return
+        fork = next((road for road in roads if road[0] == self.lane_index[0]), None)
+        if fork is None:
+            return
+        lanes = self.road.network.graph[fork[0]][fork[1]]
+        index = (*fork, min(self.lane_index[2], len(lanes) - 1))
+        branch = lanes[index[2]]
+        if branch.on_lane(self.position, margin=branch.width_at(0.0) / 2):
+            self.lane_index, self.lane = index, branch
 
 
 def take_over(sim: Any, driver: ControlledVehicle, controller: TrackingController) -> TrackedVehicle:

@@ -67,12 +67,9 @@ class TrackingController:
     integral_m: float = 0.0
     previous_error_mps: float | None = None
 
-    def steering_rad(self, position_m: np.ndarray, heading_rad: float, speed_mps: float, path: TimedPath) -> float:
-        """Pure pursuit: the steering whose steady arc passes through the look-ahead point."""
-        target = lookahead_point(path.points_m, position_m, self.lookahead_m(speed_mps))
-        if target is None:
-            return 0.0
-        offset = target - position_m
+    def steering_rad(self, position_m: np.ndarray, heading_rad: float, target_m: np.ndarray) -> float:
+        """Pure pursuit: the steering whose steady arc passes through the look-ahead point `target_m`."""
+        offset = target_m - position_m
         # The arc starts along the direction of travel, heading + beta, and beta is what we are choosing:
         # sin(beta) = 2 h sin(theta - beta) / L_d (h the half wheelbase) solves to the line below.
         theta = np.arctan2(offset[1], offset[0]) - heading_rad
@@ -85,17 +82,14 @@ class TrackingController:
         self, position_m: np.ndarray, heading_rad: float, speed_mps: float, path: TimedPath, time_s: float, dt_s: float
     ) -> tuple[float, float]:
         """(steering rad, acceleration m/s^2) that follow `path`; stand still for a look-ahead point behind."""
-        target = lookahead_point(path.points_m, position_m, self.lookahead_m(speed_mps))
-        if target is not None and np.dot(target - position_m, [np.cos(heading_rad), np.sin(heading_rad)]) < 0:
+        distance = max(self.min_lookahead_m, self.lookahead_s * abs(speed_mps))
+        target = lookahead_point(path.points_m, position_m, distance)
+        if target is None:  # a plan too short to steer along: hold the wheel straight
+            return 0.0, self.accel_mps2(speed_mps, path, time_s, dt_s)
+        if np.dot(target - position_m, [np.cos(heading_rad), np.sin(heading_rad)]) < 0:
             # Brake in proportion to speed so that the car comes to rest instead of rocking about zero.
             return 0.0, float(np.clip(-STOP_GAIN_PER_S * speed_mps, -self.limits.max_brake_mps2, 0.0))
-        return (
-            self.steering_rad(position_m, heading_rad, speed_mps, path),
-            self.accel_mps2(speed_mps, path, time_s, dt_s),
-        )
-
-    def lookahead_m(self, speed_mps: float) -> float:
-        return max(self.min_lookahead_m, self.lookahead_s * abs(speed_mps))
+        return self.steering_rad(position_m, heading_rad, target), self.accel_mps2(speed_mps, path, time_s, dt_s)
 
     def accel_mps2(self, speed_mps: float, path: TimedPath, time_s: float, dt_s: float) -> float:
         """PID on the speed error around the plan's own acceleration, clipped to the vehicle's limits."""
