@@ -326,6 +326,7 @@ def test_a_jf_run_resumes_to_the_same_weights_as_an_uninterrupted_one(dataset, t
     assert float(first["noisy_loss"]) > 0 and float(first["clean_loss"]) > 0  # consistency and AR parts
     parts = float(first["noisy_loss"]) + 10.0 * float(first["clean_loss"]) + 2.0 * float(first["labelled_loss"])
     assert float(first["labelled_loss"]) > 0 and float(first["loss"]) == pytest.approx(parts, rel=1e-5)
+    assert float(first["tokens_per_s"]) > 0  # the packed forward's positions and the labelled batch's count
     with pytest.raises(ConfigError, match="collected at block size 8"):
         train(load_config("tiny-jf", out=str(tmp_path / "other"), **(settings | {"jacobi_block_size": 16})))
 

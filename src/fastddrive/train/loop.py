@@ -596,11 +596,13 @@ def train(
             packed = jacobi(mine)
             with accelerator.autocast():
                 parts = jf_loss(model.packed_logits(**packed.forward_inputs()), packed, config)
+                parts.tokens = packed.input_ids.numel()
                 if config.labelled_ar_weight:
                     labelled = rank_picks([config.seed, step, 2], len(rows), config, world, rank)
                     unused = np.random.default_rng(0)  # the AR recipe's batches draw no noise
                     samples = [from_row(rows[i]) for i in labelled]
-                    parts.labelled = samples_loss(model, collator, samples, config.block_size, unused, config).clean
+                    ar = samples_loss(model, collator, samples, config.block_size, unused, config)
+                    parts.labelled, parts.tokens = ar.clean, parts.tokens + ar.tokens
                     parts.total = parts.total + config.labelled_ar_weight * parts.labelled
         else:
             block = annealed_block_size(step / config.steps, config.block_size, config.anneal_block_size)
