@@ -224,7 +224,7 @@ def batch_loss(
 
 def jf_loss(logits: torch.Tensor, batch: JacobiForcingBatch, config: TrainConfig) -> LossParts:
     """Jacobi Forcing's objective (paper 003 Eq. 9) on one packed batch's logits."""
-    return jacobi_forcing_loss(
+    parts = jacobi_forcing_loss(
         logits,
         batch.teacher,
         batch.student,
@@ -234,6 +234,8 @@ def jf_loss(logits: torch.Tensor, batch: JacobiForcingBatch, config: TrainConfig
         batch.label_weights,
         config.ar_weight,
     )
+    parts.tokens = batch.input_ids.numel()
+    return parts
 
 
 def samples_loss(
@@ -596,7 +598,6 @@ def train(
             packed = jacobi(mine)
             with accelerator.autocast():
                 parts = jf_loss(model.packed_logits(**packed.forward_inputs()), packed, config)
-                parts.tokens = packed.input_ids.numel()
                 if config.labelled_ar_weight:
                     labelled = rank_picks([config.seed, step, 2], len(rows), config, world, rank)
                     unused = np.random.default_rng(0)  # the AR recipe's batches draw no noise
