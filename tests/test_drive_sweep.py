@@ -20,6 +20,7 @@ import fastddrive.drive.run as run_module
 import fastddrive.planner as planner_module
 from fastddrive.cli import app
 from fastddrive.core.schema import CRITICAL_OBJECT_CLASSES, DrivingResponse, MetaBehavior
+from fastddrive.data.highway import DEFAULT_SCENARIOS, REACTIVE_SCENARIOS
 from fastddrive.decode.result import DecodeResult
 from fastddrive.drive.latency import LatencyError, parse_named_ms, parse_sweep
 from fastddrive.drive.latency_curve import draw_latency_curve, measured_marks
@@ -110,6 +111,16 @@ def test_a_single_latency_is_one_run_with_its_own_rows(tmp_path):
     assert [(row["decoder"], row["latency_ms"]) for row in report.rows] == [("ar", 250.0), ("ss", 80.0)]
     png = draw_latency_curve(report.rows, tmp_path / "one-point.png")  # one point per decoder
     assert Image.open(png).size == (1320, 484)
+
+
+def test_a_sweep_without_scenarios_named_drives_the_reactive_ones(tmp_path):
+    # In the default scenarios nothing sudden happens and the curve is flat; the reactive ones show the cost.
+    swept = check_sweep("sweep:0,1500", decoders="ss", episodes=1, out=tmp_path)
+    assert [run.scenarios for run in swept] == [tuple(REACTIVE_SCENARIOS)] * 2
+    (one,) = check_sweep("fixed:250", decoders="ss", episodes=1, out=tmp_path)
+    assert one.scenarios == DEFAULT_SCENARIOS
+    named = check_sweep("sweep:0,1500", decoders="ss", scenarios="merge", episodes=1, out=tmp_path)
+    assert [run.scenarios for run in named] == [("merge",)] * 2
 
 
 def test_the_latency_curve_is_a_png_with_the_marks_asked_for(swept, tmp_path):

@@ -11,7 +11,6 @@ from rich.markup import escape
 from fastddrive.cli.common import (
     DurationOption,
     ReplanOption,
-    ScenariosOption,
     app,
     console,
     progress_bar,
@@ -25,7 +24,14 @@ def drive_command(
         str, typer.Option(help="'default', 'default-ar', 'default-jf' or a local model folder.")
     ] = "default",
     decoders: Annotated[str, typer.Option(help="Comma-separated decoders, options as sd:tau=0.0.")] = "ar,ss,sd,tts",
-    scenarios: ScenariosOption = ("highway,merge,exit,roundabout,intersection"),
+    scenarios: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated scenarios, or the group 'reactive'. "
+            "Default: highway,merge,exit,roundabout,intersection; with --latency sweep:..., reactive.",
+            show_default=False,
+        ),
+    ] = None,
     episodes: Annotated[
         int, typer.Option(min=1, max=20_000, help="Episodes per scenario; every planner drives the same.")
     ] = 20,

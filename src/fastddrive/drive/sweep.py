@@ -5,6 +5,8 @@ latency), and the outputs that span the runs (the side-by-side videos of two pla
 which always run at zero latency, are driven once (in the first run). Each run is `run_drive` into the same
 results folder: an episode's result is named by its latency (run.result_path), so a sweep resumes like one
 run, and reuses what an earlier `--latency fixed:250` run in that folder drove. The model is loaded once.
+Without scenarios named, a sweep drives the reactive ones: in the default scenarios nothing sudden happens, a
+late answer costs little, and the curve is flat (docs/driving.md).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from fastddrive.data.highway import DEFAULT_SCENARIOS, REACTIVE_SCENARIOS
 from fastddrive.decode.registry import parse_decoder_spec
 from fastddrive.drive import DriveError
 from fastddrive.drive.latency import Latency, LatencyError, parse_sweep
@@ -95,13 +98,16 @@ class SweepReport:
         return {"settings": settings, "rows": self.rows, "paired": self.paired}
 
 
-def check_sweep(latency: str = "measured", **fields: Any) -> list[DriveSettings]:
+def check_sweep(
+    latency: str = "measured", scenarios: str | Sequence[str] | None = None, **fields: Any
+) -> list[DriveSettings]:
     """The checked settings of each run: one per value of 'sweep:MS,...' (a fixed latency for every decoder,
-    the references in the first only), else the one run of `latency`. Raises as run.check_settings does."""
+    the references in the first only), else the one run of `latency`. `scenarios` None: the reactive ones for a
+    sweep, the default ones otherwise. Raises as run.check_settings does."""
     sweep = parse_sweep(latency)
     if sweep is None:
-        return [check_settings(latency=latency, **fields)]
-    base = check_settings(latency="zero", **fields)
+        return [check_settings(latency=latency, scenarios=scenarios or DEFAULT_SCENARIOS, **fields)]
+    base = check_settings(latency="zero", scenarios=scenarios or tuple(REACTIVE_SCENARIOS), **fields)
     if not base.decoders:
         raise LatencyError(f"latency sweep {latency!r} needs a decoder: references always run at zero latency")
     return [
