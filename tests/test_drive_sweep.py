@@ -20,7 +20,7 @@ import fastddrive.drive.run as run_module
 import fastddrive.planner as planner_module
 from fastddrive.cli import app
 from fastddrive.core.schema import CRITICAL_OBJECT_CLASSES, DrivingResponse, MetaBehavior
-from fastddrive.data.highway import DEFAULT_SCENARIOS, REACTIVE_SCENARIOS
+from fastddrive.data.highway import DEFAULT_SCENARIOS, REACTIVE_SCENARIOS, UnknownScenario
 from fastddrive.decode.result import DecodeResult
 from fastddrive.drive.latency import LatencyError, parse_named_ms, parse_sweep
 from fastddrive.drive.latency_curve import draw_latency_curve, measured_marks
@@ -121,6 +121,8 @@ def test_a_sweep_without_scenarios_named_drives_the_reactive_ones(tmp_path):
     assert one.scenarios == DEFAULT_SCENARIOS
     named = check_sweep("sweep:0,1500", decoders="ss", scenarios="merge", episodes=1, out=tmp_path)
     assert [run.scenarios for run in named] == [("merge",)] * 2
+    with pytest.raises(UnknownScenario):  # an empty name is refused, not taken for the default
+        check_sweep("sweep:0,1500", decoders="ss", scenarios="", episodes=1, out=tmp_path)
 
 
 def test_the_latency_curve_is_a_png_with_the_marks_asked_for(swept, tmp_path):

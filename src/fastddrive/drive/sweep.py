@@ -105,9 +105,11 @@ def check_sweep(
     the references in the first only), else the one run of `latency`. `scenarios` None: the reactive ones for a
     sweep, the default ones otherwise. Raises as run.check_settings does."""
     sweep = parse_sweep(latency)
+    if scenarios is None:  # only None: an empty name is refused by check_settings, not taken for the default
+        scenarios = DEFAULT_SCENARIOS if sweep is None else tuple(REACTIVE_SCENARIOS)
     if sweep is None:
-        return [check_settings(latency=latency, scenarios=scenarios or DEFAULT_SCENARIOS, **fields)]
-    base = check_settings(latency="zero", scenarios=scenarios or tuple(REACTIVE_SCENARIOS), **fields)
+        return [check_settings(latency=latency, scenarios=scenarios, **fields)]
+    base = check_settings(latency="zero", scenarios=scenarios, **fields)
     if not base.decoders:
         raise LatencyError(f"latency sweep {latency!r} needs a decoder: references always run at zero latency")
     return [
