@@ -13,7 +13,7 @@ import pytest
 from highway_env.vehicle.kinematics import Vehicle
 
 from fastddrive.core.schema import CRITICAL_OBJECT_CLASSES, DrivingResponse, MetaBehavior
-from fastddrive.data.highway import SIMULATION_HZ, UnknownScenario, seeded_episode, simulate_episode
+from fastddrive.data.highway import SIMULATION_HZ, UnknownScenario, episode_samples, seeded_episode, simulate_episode
 from fastddrive.decode.registry import DecoderError
 from fastddrive.decode.result import DecodeResult
 from fastddrive.drive import DriveError
@@ -22,7 +22,7 @@ from fastddrive.drive.controller import TrackingController
 from fastddrive.drive.latency import Latency, LatencyError
 from fastddrive.drive.metrics import driving_score, lead_ttc_s, ttc_violation_flags
 from fastddrive.drive.plan import TimedPath
-from fastddrive.drive.policies import DecoderPolicy, ExpertPolicy, Observation
+from fastddrive.drive.policies import DecoderPolicy, ExpertPolicy, Observation, Proposal
 from fastddrive.drive.route import Route
 from fastddrive.drive.run import check_settings, run_drive
 from fastddrive.engine.model_files import DeviceError
@@ -128,6 +128,36 @@ def test_expert_in_the_loop_reproduces_its_own_episode():
     gap = np.array(looped.position_m) - expert[:n]
     assert np.linalg.norm(gap, axis=1).max() < 1.5
     assert np.abs(gap[:, 1]).max() < 0.3  # the highway runs along +x: y is sideways
+
+
+class _Recorder:
+    """Keeps what the planner is asked and answers nothing (the hand-over plan is followed meanwhile)."""
+
+    label, decoder = "recorder", None
+
+    def __init__(self) -> None:
+        self.asked: list[Observation] = []
+
+    def start(self, expert) -> None:
+        return None
+
+    def propose(self, observation: Observation) -> Proposal:
+        self.asked.append(observation)
+        return Proposal(None, 0.0)
+
+
+@pytest.mark.parametrize(("scenario", "seed"), [("roundabout", 700_003), ("intersection", 700_004)])
+def test_the_first_question_in_the_loop_is_the_datas_first_sample(scenario, seed):
+    """At the hand-over the planner is asked exactly what a data set's first sample of the same episode holds (the
+    frame to the pixel, the history, the command): closed loop and training read the scene alike."""
+    sample = episode_samples(scenario, seed, max_duration_s=9.0)[0]
+    recorder = _Recorder()
+    drive_episode(scenario, seed, recorder, lambda p: 0.0, duration_s=HANDOVER_S + 0.5)
+    asked = recorder.asked[0]
+    assert asked.time_s == pytest.approx(sample.time_s) == pytest.approx(HANDOVER_S)
+    np.testing.assert_array_equal(asked.frame, sample.image)
+    np.testing.assert_array_equal(asked.history, sample.history)
+    assert asked.command == sample.command
 
 
 def _response(trajectory) -> DrivingResponse:
