@@ -154,7 +154,7 @@ def test_the_first_question_in_the_loop_is_the_datas_first_sample(scenario, seed
     recorder = _Recorder()
     drive_episode(scenario, seed, recorder, lambda p: 0.0, duration_s=HANDOVER_S + 0.5)
     asked = recorder.asked[0]
-    assert asked.time_s == pytest.approx(sample.time_s) == pytest.approx(HANDOVER_S)
+    assert asked.time_s == pytest.approx(HANDOVER_S) and sample.time_s == pytest.approx(HANDOVER_S)
     np.testing.assert_array_equal(asked.frame, sample.image)
     np.testing.assert_array_equal(asked.history, sample.history)
     assert asked.command == sample.command
