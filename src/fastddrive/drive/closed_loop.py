@@ -8,8 +8,8 @@ comes into force `latency` later on the simulation clock (at the first 1/12 s si
 that), the plan in force being followed meanwhile. Until the first answer arrives the car holds its
 hand-over velocity (a constant-velocity plan): a slow decoder pays for its first answer as for the others.
 
-The episode ends on a collision, off the road (the ego's centre outside the nearest lane, sideways), at
-the route's end (a planned route's), or at the scenario's duration; route completion counts progress up to
+The episode ends on a collision, off the road (the whole car outside its lane and the nearest lane, sideways),
+at the route's end (a planned route's), or at the scenario's duration; route completion counts progress up to
 the goal, how far the expert gets in the episode's time (route.py).
 The state is recorded every 0.25 s.
 """
@@ -175,12 +175,21 @@ class EpisodeTrace:
     ego_pixel: tuple[float, float] = (0.0, 0.0)
 
 
+def _outside(car: Vehicle, lane: Any) -> bool:
+    along, across = lane.local_coordinates(car.position)
+    return bool(abs(across) > (lane.width_at(along) + car.WIDTH) / 2)
+
+
 def _off_road(car: Vehicle) -> bool:
-    """The whole car is outside the nearest lane, sideways: its centre more than half a lane and half a car
-    from the lane's middle (past a road's end the world just stops). A car whose wheels cross a lane's edge
-    as it takes a curved exit is still on the road."""
-    along, across = car.lane.local_coordinates(car.position)
-    return bool(abs(across) > (car.lane.width_at(along) + car.WIDTH) / 2)
+    """The whole car is outside its lane and the nearest lane, sideways: its centre more than half a lane and
+    half a car from each one's middle (past a road's end the world just stops). Both are read because at a
+    fork the car takes its route's branch while it still drives on the lane beside it
+    (`TrackedVehicle.keep_to_route_branch`). A car whose wheels cross a lane's edge as it takes a curved exit
+    is still on the road."""
+    if not _outside(car, car.lane):
+        return False
+    nearest = car.road.network.get_closest_lane_index(car.position, car.heading)
+    return _outside(car, car.road.network.get_lane(nearest))
 
 
 def _ttc_s(sim: Any, car: Vehicle) -> float:

@@ -46,7 +46,7 @@ from fastddrive.drive.summary import draw_summary, summarise
 from fastddrive.drive.video import gif_path, safe_name, write_gif
 from fastddrive.planner import Planner
 
-RESULT_VERSION = 2  # bump when an episode's result would change for the same settings: old ones are not reused
+RESULT_VERSION = 3  # bump when an episode's result would change for the same settings: old ones are not reused
 MAX_REPLAN_S = NUM_WAYPOINTS * WAYPOINT_INTERVAL_S  # a plan covers 5 s
 SEEDS_PER_EPISODE = len(DEFAULT_SCENARIOS)  # episode j of a scenario: seeds 5 j + index
 MAX_DURATION_S = 300.0  # 7.5 times the longest scenario; a video holds 4 frames a second of it
