@@ -109,7 +109,7 @@ def test_expert_plans_takes_the_roundabout_exit_its_route_names(seed):
     # The exit starts beside the ring, whose lane is nearer at first: a car that counted itself on the ring
     # there kept a stale route, and the expert's rollouts from it went round the ring instead (700008). A car
     # that takes the exit as its lane while it still drives on the ring's outer lane is on the road, not
-    # 3.2 m off the exit's middle (2900008, off the road 2.75 s after the hand-over when only its lane was read).
+    # 3.17 m off the exit's middle (2900008, off the road 2.75 s after the hand-over when only its lane was read).
     drives = drive_episode("roundabout", seed, None, lambda _: 0.0, duration_s=8.0)
     plans = drive_episode("roundabout", seed, ExpertPolicy(0.5), lambda _: 0.0, duration_s=8.0)
     assert drives.progress_m[-1] > 40.0  # past the exit, 25 m along the route
