@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from fastddrive.cli import app
 from fastddrive.core.scaffold import Scaffold
 from fastddrive.core.schema import SECTIONS, example_response, render
+from fastddrive.core.training_episodes import training_episodes
 from fastddrive.data.dataset import DATASET_FORMAT, MANIFEST, write_shard
 from fastddrive.decode.registry import decode
 from fastddrive.engine.model_files import load_model, save_model
@@ -59,7 +60,8 @@ def dataset(tmp_path_factory):
     """A dataset folder of 5 synthetic training samples."""
     root = tmp_path_factory.mktemp("jf-data")
     record = write_shard(root / "train" / "00000-synthetic.parquet", [synthetic_sample(s) for s in range(5)])
-    manifest = {"format": DATASET_FORMAT, "version": 2, "settings": {}, "complete": True}
+    # Named as a simulator's settings name their scenarios: the samples are of simulated episodes 0..4.
+    manifest = {"format": DATASET_FORMAT, "version": 2, "settings": {"scenarios": ["highway"]}, "complete": True}
     (root / MANIFEST).write_text(json.dumps(manifest | {"shards": {"train/00000-synthetic.parquet": record}}))
     return str(root)
 
@@ -321,6 +323,9 @@ def test_a_jf_run_resumes_to_the_same_weights_as_an_uninterrupted_one(dataset, t
     a, b = _params(whole.final), _params(resumed.final)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert load_model(whole.final).info.kind == "autoregressive"
+    # Both record the episodes of the samples they learned from; the resumed one through its checkpoint.
+    for final in (whole.final, resumed.final):
+        assert training_episodes(load_model(final).info.extra) == {("highway", seed) for seed in range(5)}
     log = (tmp_path / "whole" / "log.csv").read_text().splitlines()
     first = dict(zip(log[0].split(","), log[1].split(","), strict=True))
     assert float(first["noisy_loss"]) > 0 and float(first["clean_loss"]) > 0  # consistency and AR parts

@@ -15,6 +15,7 @@ from fastddrive.cli import app
 from fastddrive.core.scaffold import Scaffold
 from fastddrive.core.schema import SECTIONS
 from fastddrive.core.tokenizer import MissingDiffusionTokens, corpus_texts, train_tokenizer
+from fastddrive.core.training_episodes import training_episodes, with_training_episodes
 from fastddrive.data.build import build_dataset
 from fastddrive.data.dataset import DrivingDataset
 from fastddrive.engine.model_files import load_model, save_model, tiny_image_processor, tiny_qwen2_5_vl
@@ -60,12 +61,20 @@ def test_two_steps_of_tiny_ar_then_tiny_sasd_reduce_the_loss(data, tmp_path):
     ar = load_config("tiny-ar", data=data, out=str(tmp_path / "ar"), steps=2, architecture=SMALL, **QUICK)
     ar_report = _loss_falls(ar, data)
     assert load_model(ar_report.final).info.kind == "autoregressive"
+    # The model records the simulated episodes it was trained on; a run continuing it adds its own to them.
+    taught = DrivingDataset.open(data).simulated_episodes("train")
+    assert taught == {("merge", 2100000)}  # episode 1 of the two is in the test split
+    assert training_episodes(load_model(ar_report.final).info.extra) == taught
+    info_file = ar_report.final / "fastddrive.json"
+    info = json.loads(info_file.read_text())
+    info_file.write_text(json.dumps(info | {"extra": with_training_episodes(info["extra"], [("cut-in", 300000)])}))
     sasd = load_config(
         "tiny-sasd", data=data, out=str(tmp_path / "sasd"), steps=2, init_from=str(ar_report.final), **QUICK
     )
     report = _loss_falls(sasd, data)
     loaded = load_model(report.final)
     assert loaded.info.kind == "block-diffusion" and loaded.info.mask_token_id is not None
+    assert training_episodes(loaded.info.extra) == taught | {("cut-in", 300000)}
 
     from typer.testing import CliRunner
 

@@ -79,6 +79,7 @@ def drive_command(
     from fastddrive.core.outputs import check_file_destination, write_json
     from fastddrive.drive import DriveError
     from fastddrive.drive.latency import parse_named_ms
+    from fastddrive.drive.run import training_episodes_driven
     from fastddrive.drive.summary import paired_table, rows_table, scenario_table
     from fastddrive.drive.sweep import check_pair, check_sweep, run_sweep, side_by_side_videos
     from fastddrive.drive.video import SIDE_BY_SIDE
@@ -106,6 +107,17 @@ def drive_command(
             raise DriveError("--mark needs --plot: it marks latencies on the latency curve")
         marks = None if mark is None else parse_named_ms(mark, list(runs[0].decoders), f"--mark {mark!r}")
         pair = None if side_by_side is None else check_pair(side_by_side, runs[0])
+        trained_on = training_episodes_driven(runs[0])
+    if trained_on:
+        total = len(runs[0].scenarios) * runs[0].episodes
+        named = ", ".join(f"{name} {seed}" for name, seed in trained_on[:3]) + (", ..." if len(trained_on) > 3 else "")
+        console.print(
+            f"[yellow]warning:[/] {len(trained_on)} of the {total} episodes to drive are among those "
+            f"{escape(model)} was trained on ({named}; its fastddrive.json): their scores are not held-out "
+            "figures (--json lists them)",
+            highlight=False,
+            soft_wrap=True,
+        )
     progress = progress_bar()
     task = progress.add_task("episodes", total=None, note="")
     failed = []

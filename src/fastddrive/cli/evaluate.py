@@ -32,9 +32,11 @@ def eval_command(
     each process answers a share of the split, and the main process prints the same table as one process."""
     import fastddrive
     from fastddrive.core.outputs import check_file_destination, write_json
+    from fastddrive.core.training_episodes import training_episodes
     from fastddrive.data.dataset import DatasetError, DrivingDataset
     from fastddrive.decode.registry import parse_decoder_spec, split_decoders
-    from fastddrive.eval.accuracy import evaluate_split
+    from fastddrive.engine.model_files import model_path, read_info
+    from fastddrive.eval.accuracy import evaluate_split, samples_of_training_episodes
     from fastddrive.eval.parallel import device_of_process, is_main_process
     from fastddrive.eval.report import accuracy_json, accuracy_table, scenario_table
 
@@ -47,8 +49,19 @@ def eval_command(
         total = len(dataset.table(split, columns=["sample_id"]))
         if total == 0:
             raise DatasetError(f"{data} has no {split} samples: nothing to evaluate")
+        n = min(total, limit) if limit else total
+        trained = training_episodes(read_info(model_path(model)).extra)
+        trained_on = samples_of_training_episodes(dataset, split, n, trained) if trained else []
+        if trained_on and is_main_process():
+            console.print(
+                f"[yellow]warning:[/] {len(trained_on)} of the {n} samples to evaluate are of episodes "
+                f"{escape(model)} was trained on ({escape(', '.join(trained_on[:3]))}"
+                f"{', ...' if len(trained_on) > 3 else ''}; its fastddrive.json): their figures are not held-out "
+                "ones (--json lists them)",
+                highlight=False,
+                soft_wrap=True,
+            )
         planner = fastddrive.load(model, device=device_of_process(device))
-    n = min(total, limit) if limit else total
     main = is_main_process()
     with progress_bar(disable=not main) as progress, user_errors():
 
@@ -69,7 +82,8 @@ def eval_command(
     )
     console.print(scenario_table(reports))
     if json_out is not None:
-        write_json(json_out, {"model": model, "split": split, "decoders": accuracy_json(reports)})
+        figures = {"model": model, "split": split, "decoders": accuracy_json(reports)}
+        write_json(json_out, figures | {"samples_of_training_episodes": trained_on})
         console.print(f"wrote {json_out}")
     failed = {str(row["sample_id"]) for r in reports.values() for row in r.per_sample if "error" in row}
     if failed:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,7 @@ from fastddrive.core.sample import (
     encode_png,
 )
 from fastddrive.core.schema import parse, render
-from fastddrive.data.episodes import DatasetError, planned_shards, settings_problem
+from fastddrive.data.episodes import DatasetError, planned_shards, settings_problem, simulated_scenarios
 
 SPLITS: tuple[str, ...] = ("train", "val", "test")
 MANIFEST = "manifest.json"
@@ -415,6 +415,15 @@ class DrivingDataset:
                 except (pa.ArrowException, OSError) as err:
                     raise self._error(ShardCheck(f"{split}/{path.name}", "damaged", _unreadable(err))) from None
         return total
+
+    def simulated_episodes(self, split: str, indices: Iterable[int] | None = None) -> set[tuple[str, int]]:
+        """The (scenario, episode seed) of the split's samples (of those at `indices` only, when given) that come
+        from simulated episodes: of a scenario that the manifest's simulator settings name, through merges.
+        A converted data set's samples (WOD-E2E, nuScenes) are of none."""
+        names = simulated_scenarios(self.manifest.get("settings") or {})
+        table = self.table(split, columns=["scenario", "episode_seed"]).to_pylist()
+        rows = table if indices is None else [table[i] for i in indices]
+        return {(row["scenario"], row["episode_seed"]) for row in rows if row["scenario"] in names}
 
     def samples(self, split: str) -> Iterator[DrivingSample]:
         for shard in self.shards(split):

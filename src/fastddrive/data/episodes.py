@@ -72,6 +72,17 @@ def settings_problem(settings: dict[str, Any]) -> str | None:
     return None
 
 
+def simulated_scenarios(settings: dict[str, Any]) -> set[str]:
+    """The scenario names of the simulated episodes that a manifest's settings make: its own `scenarios` (the
+    generator's, DAgger's), and its sources' for a merge."""
+    own, sources = settings.get("scenarios"), settings.get("sources")
+    names = {name for name in own if isinstance(name, str)} if isinstance(own, list) else set()
+    for source in sources if isinstance(sources, list) else ():
+        if isinstance(source, dict) and isinstance(source.get("settings"), dict):
+            names |= simulated_scenarios(source["settings"])
+    return names
+
+
 def plan_episodes(
     episodes: int, seed: int, scenarios: list[str], rater_splits: tuple[str, ...] = RATER_SPLITS
 ) -> list[EpisodeJob]:

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from fastddrive.core.outputs import check_folder_destination, write_bytes
 from fastddrive.core.sample import HISTORY_COLUMNS, HISTORY_STEPS
 from fastddrive.core.schema import NUM_WAYPOINTS, WAYPOINT_INTERVAL_S
+from fastddrive.core.training_episodes import training_episodes
 from fastddrive.data.episodes import MAX_SEED, SEED_STRIDE
 from fastddrive.data.highway import DEFAULT_SCENARIOS, FRAME_SIZE_PX, REACTIVE_SCENARIOS, check_scenarios
 from fastddrive.decode.registry import parse_decoder_spec, split_decoders
@@ -187,6 +188,7 @@ class DriveReport:
     summary_png: Path
     seconds: float
     failures: list[EpisodeOutcome] = field(default_factory=list)
+    trained_on: list[tuple[str, int]] = field(default_factory=list)  # training_episodes_driven(settings)
 
     def to_json(self) -> dict[str, Any]:
         s = self.settings
@@ -201,6 +203,7 @@ class DriveReport:
             "replan_s": s.replan_s,
             "duration_s": s.duration_s,
             "device": s.device,
+            "training_episodes_driven": [{"scenario": name, "seed": seed} for name, seed in self.trained_on],
         }
         return {"settings": settings, "rows": self.rows}
 
@@ -221,6 +224,19 @@ def plan_jobs(settings: DriveSettings) -> list[Job]:
         for scenario in settings.scenarios
         for label in settings.labels
     ]
+
+
+def training_episodes_driven(settings: DriveSettings) -> list[tuple[str, int]]:
+    """The (scenario, seed) of the run's episodes that its model's fastddrive.json records as trained on
+    (core/training_episodes.py), in driving order: their scores are not held-out figures. Empty without a
+    decoder; a malformed record is a ModelFileError."""
+    if not settings.decoders:
+        return []
+    from fastddrive.engine.model_files import model_path, read_info
+
+    trained = training_episodes(read_info(model_path(settings.model)).extra)
+    episodes = dict.fromkeys((job.scenario, job.seed) for job in plan_jobs(settings))
+    return [episode for episode in episodes if episode in trained]
 
 
 def result_path(settings: DriveSettings, job: Job) -> Path:
@@ -344,7 +360,8 @@ def run_drive(
     failed = {label: sum(o.job.label == label for o in failures) for label in settings.labels}
     rows = summarise(results, settings.labels, failed)
     png = draw_summary(rows, settings.out / "summary.png", title=title(settings))
-    return DriveReport(settings, rows, outcomes, png, time.perf_counter() - began, failures)
+    trained_on = training_episodes_driven(settings)
+    return DriveReport(settings, rows, outcomes, png, time.perf_counter() - began, failures, trained_on)
 
 
 def title(settings: DriveSettings) -> str:

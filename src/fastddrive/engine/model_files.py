@@ -33,6 +33,7 @@ from fastddrive.core.tokenizer import (
     diffusion_token_ids,
     load_tokenizer,
 )
+from fastddrive.core.training_episodes import record_problem
 from fastddrive.engine.model import IMAGE_TOKEN, BlockDiffusionModel, CheckpointInfo
 from fastddrive.engine.model_check import ModelFileError, check_model_folder, check_tokenizer_fits, read_json_object
 
@@ -188,6 +189,9 @@ def read_info(path: Path) -> CheckpointInfo:
         valid, expected = checks.get(key, (lambda _: True, ""))
         if not valid(value):
             raise ModelFileError(f"{file}: {key} must be {expected}, got {value!r}")
+    problem = record_problem(raw.get("extra", {}))
+    if problem is not None:
+        raise ModelFileError(f"{file}: {problem}")
     return CheckpointInfo(**raw)
 
 

@@ -12,7 +12,7 @@ import json
 import math
 import resource
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +30,7 @@ from fastddrive.core.outputs import OutputError, check_folder_destination, owner
 from fastddrive.core.sample import DrivingSample, SampleError
 from fastddrive.core.scaffold import Scaffold
 from fastddrive.core.tokenizer import default_tokenizer_path, load_tokenizer
+from fastddrive.core.training_episodes import Episode, training_episodes, with_training_episodes
 from fastddrive.data.dataset import DrivingDataset, check_row_numbers, from_row
 from fastddrive.engine.model import BlockDiffusionModel, CheckpointInfo
 from fastddrive.engine.model_files import (
@@ -126,8 +127,10 @@ class TrainReport:
     last_validation: dict[str, float]
 
 
-def initial_model(config: TrainConfig) -> BlockDiffusionModel:
-    """The starting point: a tiny Qwen2.5-VL from scratch, an embedded checkpoint, or a local folder."""
+def initial_model(config: TrainConfig, episodes: Iterable[Episode] = ()) -> BlockDiffusionModel:
+    """The starting point: a tiny Qwen2.5-VL from scratch, an embedded checkpoint, or a local folder; its
+    fastddrive.json records the simulated `episodes` this run trains on besides those its start was trained on
+    (core/training_episodes.py)."""
     path = _init_path(config)
     if config.init_from.startswith("random:"):
         wrapper = random_init_model(
@@ -150,11 +153,21 @@ def initial_model(config: TrainConfig) -> BlockDiffusionModel:
         explanation_budget=config.explanation_budget,
         block_size=config.block_size,
         scaffold_tokenization=config.scaffold_tokenization,
-        extra={"preset": config.name},
+        extra=with_training_episodes({"preset": config.name}, training_episodes(wrapper.info.extra) | set(episodes)),
         cameras=wrapper.info.cameras,  # how the model reads its input stays the folder's
         prompt=wrapper.info.prompt,
     )
     return wrapper
+
+
+def taught_episodes(dataset: DrivingDataset, trajectories: TrajectorySet | None) -> set[Episode]:
+    """The simulated episodes a run learns from: its training split's, and those of the samples whose prompts
+    the Jacobi Forcing trajectories were collected on (in the split they name)."""
+    episodes = dataset.simulated_episodes("train")
+    if trajectories is not None:
+        indices = [t.index for t in trajectories.trajectories]
+        episodes |= dataset.simulated_episodes(trajectories.settings["split"], indices)
+    return episodes
 
 
 def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -531,7 +544,9 @@ def train(
         raise ConfigError(f"{out} already holds checkpoints; pass --resume to continue or choose another --out")
     check_training_memory(config, accelerator.device, say, refuse=check_memory)
 
-    model = load_model(checkpoint.path, training=True) if checkpoint else initial_model(config)
+    # A resumed run's checkpoint already records the episodes it trains on.
+    episodes = () if checkpoint else taught_episodes(dataset, trajectories)
+    model = load_model(checkpoint.path, training=True) if checkpoint else initial_model(config, episodes)
     model.model.to(accelerator.device, dtype=torch.bfloat16 if config.weights_dtype == "bfloat16" else None).train()
     scaffold = Scaffold(
         model.tokenizer,
