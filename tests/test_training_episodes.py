@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 from fastddrive.cli import app
 from fastddrive.core.training_episodes import KEY, record_problem, training_episodes, with_training_episodes
 from fastddrive.data.dataset import DrivingDataset
-from fastddrive.data.episodes import simulated_scenarios
+from fastddrive.data.episodes import plan_episodes, simulated_scenarios
+from fastddrive.data.highway import DEFAULT_SCENARIOS, REACTIVE_SCENARIOS
 from fastddrive.drive.run import check_settings, episode_seed, training_episodes_driven
 from fastddrive.engine.model_check import ModelFileError
 from fastddrive.engine.model_files import model_path, read_info
@@ -65,6 +66,10 @@ def test_the_embedded_models_record_what_their_model_card_trained_them_on():
     # Seeds 0, 9, 21 (the five default scenarios) and 3, 23 (the reactive four): the model card's commands.
     assert {seed // 100_000 for _, seed in default} == {0, 3, 9, 21, 23}
     assert ("highway", 0) in default and ("highway", 5) not in default  # episode 5 of seed 0 is in the test split
+    five, reactive = list(DEFAULT_SCENARIOS), list(REACTIVE_SCENARIOS)
+    sets = {0: (500, five), 9: (150, five), 21: (150, five), 3: (240, reactive), 23: (240, reactive)}
+    split = {(j.scenario, j.seed): j.split for seed, (n, names) in sets.items() for j in plan_episodes(n, seed, names)}
+    assert all(split.get(episode) == "train" for episode in default)  # none of their val or test episodes
     assert training_episodes(read_info(model_path("default-ar")).extra) == default
     jf = training_episodes(read_info(model_path("default-jf")).extra)
     assert {seed // 100_000 for _, seed in jf} == {0, 7}  # tiny-ar's first data set, then its own prompts
