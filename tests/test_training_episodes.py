@@ -12,7 +12,8 @@ from fastddrive.core.training_episodes import KEY, record_problem, training_epis
 from fastddrive.data.dataset import DrivingDataset
 from fastddrive.data.episodes import plan_episodes, simulated_scenarios
 from fastddrive.data.highway import DEFAULT_SCENARIOS, REACTIVE_SCENARIOS
-from fastddrive.drive.run import check_settings, episode_seed, training_episodes_driven
+from fastddrive.drive.run import check_settings, episode_seed, plan_jobs, training_episodes_driven
+from fastddrive.drive.sweep import check_sweep
 from fastddrive.engine.model_check import ModelFileError
 from fastddrive.engine.model_files import model_path, read_info
 
@@ -125,3 +126,40 @@ def test_an_evaluation_names_the_samples_of_episodes_its_model_was_trained_on(tm
         else:
             assert warnings == []
         assert json.loads(out.read_text())["samples_of_training_episodes"] == expected
+
+
+def test_held_out_leaves_the_trained_episodes_out_for_every_planner(tmp_path):
+    trained = ("cut-in", episode_seed(7, "cut-in", 0))
+    folder = _recording(tmp_path, [trained])
+    fields = dict(model=str(folder), decoders="ss", scenarios="lead-brake,cut-in", episodes=2, out=tmp_path / "out")
+    settings = check_settings(latency="zero", held_out=True, **fields)
+    assert settings.skipped == (trained,) and training_episodes_driven(settings) == []
+    jobs = plan_jobs(settings)
+    assert {(j.scenario, j.seed) for j in jobs} == {
+        ("lead-brake", episode_seed(7, "lead-brake", 0)),
+        ("lead-brake", episode_seed(7, "lead-brake", 1)),
+        ("cut-in", episode_seed(7, "cut-in", 1)),
+    }
+    assert {j.label for j in jobs} == {"ss", "expert-drives", "expert-plans", "constant-velocity"}
+    assert len(jobs) == 3 * 4
+    (swept,) = {run.skipped for run in check_sweep(latency="sweep:0,500", held_out=True, **fields)}
+    assert swept == (trained,)  # every latency of a sweep drives the same episodes
+
+    args = ["--model", folder, "--decoders", "ss", "--scenarios", "cut-in", "--episodes", 2, "--duration-s", 4]
+    args += ["--latency", "zero", "--no-references", "--out", tmp_path / "cli", "--json", tmp_path / "rows.json"]
+    result = CliRunner().invoke(app, ["drive", *(str(a) for a in args), "--held-out"])
+    assert result.exit_code == 0, result.output
+    assert f"held out: 1 of the 2 episodes left out, those {folder} was trained on (cut-in {trained[1]};" in (
+        result.output
+    )
+    assert "warning:" not in result.output
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert rows["settings"]["training_episodes_skipped"] == [{"scenario": "cut-in", "seed": trained[1]}]
+    assert rows["settings"]["training_episodes_driven"] == []
+    assert [row["episodes"] for row in rows["rows"]] == [1]
+
+    everything = _recording(tmp_path / "all", [trained, ("cut-in", episode_seed(7, "cut-in", 1))])
+    refused = CliRunner().invoke(app, ["drive", *(str(a) for a in args), "--held-out", "--model", str(everything)])
+    assert refused.exit_code == 2, refused.output
+    lines = refused.output.strip().splitlines()
+    assert len(lines) == 1 and "--held-out leaves nothing to drive" in lines[0], refused.output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
@@ -53,6 +54,13 @@ def drive_command(
     references: Annotated[
         bool, typer.Option(help="Also drive the expert (in the seat and as a planner) and constant velocity.")
     ] = True,
+    held_out: Annotated[
+        bool,
+        typer.Option(
+            "--held-out",
+            help="Leave out, for every planner, the episodes the model was trained on (its fastddrive.json).",
+        ),
+    ] = False,
     device: Annotated[str, typer.Option(help="cpu, cuda, ...")] = "cpu",
     out: Annotated[
         Path, typer.Option(help="Folder of the per-episode results (a re-run resumes) and summary.png.")
@@ -102,19 +110,26 @@ def drive_command(
             device=device,
             out=out,
             video=video,
+            held_out=held_out,
         )
         if mark is not None and plot is None:
             raise DriveError("--mark needs --plot: it marks latencies on the latency curve")
         marks = None if mark is None else parse_named_ms(mark, list(runs[0].decoders), f"--mark {mark!r}")
         pair = None if side_by_side is None else check_pair(side_by_side, runs[0])
         trained_on = training_episodes_driven(runs[0])
+    total = len(runs[0].scenarios) * runs[0].episodes
     if trained_on:
-        total = len(runs[0].scenarios) * runs[0].episodes
-        named = ", ".join(f"{name} {seed}" for name, seed in trained_on[:3]) + (", ..." if len(trained_on) > 3 else "")
         console.print(
             f"[yellow]warning:[/] {len(trained_on)} of the {total} episodes to drive are among those "
-            f"{escape(model)} was trained on ({named}; its fastddrive.json): their scores are not held-out "
-            "figures (--json lists them)",
+            f"{escape(model)} was trained on ({_first(trained_on)}; its fastddrive.json): their scores are not "
+            "held-out figures (--json lists them; --held-out leaves them out)",
+            highlight=False,
+            soft_wrap=True,
+        )
+    if skipped := runs[0].skipped:
+        console.print(
+            f"held out: {len(skipped)} of the {total} episodes left out, those {escape(model)} was trained on "
+            f"({_first(skipped)}; --json lists them)",
             highlight=False,
             soft_wrap=True,
         )
@@ -172,3 +187,8 @@ def drive_command(
             "command drives only the failed ones again[/]"
         )
         raise typer.Exit(1)
+
+
+def _first(episodes: Sequence[tuple[str, int]]) -> str:
+    """The first three episodes, as 'lead-brake 2300000, ...'."""
+    return ", ".join(f"{name} {seed}" for name, seed in episodes[:3]) + (", ..." if len(episodes) > 3 else "")

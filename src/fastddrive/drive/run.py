@@ -70,6 +70,8 @@ class DriveSettings(BaseModel):
     device: str = "cpu"
     out: Path = Path("runs/drive")
     video: Path | None = None
+    # With --held-out: the episodes the model was trained on (training_episodes_driven), left out for every planner.
+    skipped: tuple[tuple[str, int], ...] = ()
 
     @field_validator("seed")
     @classmethod
@@ -124,10 +126,12 @@ def check_settings(
     scenarios: str | Sequence[str] = DEFAULT_SCENARIOS,
     latency: str = "measured",
     device: str = "cpu",
+    held_out: bool = False,
     **fields: Any,
 ) -> DriveSettings:
     """Every setting checked before anything is simulated or loaded. The first problem raises one line:
-    DecoderError (a decoder or its options), UnknownScenario, LatencyError, DeviceError, DriveError (the rest)."""
+    DecoderError (a decoder or its options), UnknownScenario, LatencyError, DeviceError, DriveError (the rest).
+    `held_out` leaves out, for every planner, the episodes that the model records as trained on."""
     from fastddrive.engine.model_files import check_device  # torch and the model code: only to check a device
 
     specs = split_decoders(decoders) if isinstance(decoders, str) else [s.strip() for s in decoders]
@@ -143,6 +147,13 @@ def check_settings(
     settings = drive_settings(decoders=tuple(specs), scenarios=tuple(names), latency=parsed, device=device, **fields)
     if not settings.labels:
         raise DriveError("nothing to drive: no decoder and no reference planners")
+    if held_out:
+        settings = settings.model_copy(update={"skipped": tuple(training_episodes_driven(settings))})
+        if not plan_jobs(settings):
+            raise DriveError(
+                f"--held-out leaves nothing to drive: {settings.model} was trained on every episode of "
+                f"seed {settings.seed} asked for; choose another --seed"
+            )
     check_destinations(settings)
     return settings
 
@@ -204,6 +215,7 @@ class DriveReport:
             "duration_s": s.duration_s,
             "device": s.device,
             "training_episodes_driven": [{"scenario": name, "seed": seed} for name, seed in self.trained_on],
+            "training_episodes_skipped": [{"scenario": name, "seed": seed} for name, seed in s.skipped],
         }
         return {"settings": settings, "rows": self.rows}
 
@@ -216,12 +228,18 @@ def episode_seed(seed: int, scenario: str, episode: int) -> int:
 
 
 def plan_jobs(settings: DriveSettings) -> list[Job]:
-    """Episode-major, so that an interrupted run has every planner on the same finished episodes."""
-    decoders = set(settings.decoders)
-    return [
-        Job(label, label if label in decoders else None, scenario, episode_seed(settings.seed, scenario, j))
+    """Episode-major, so that an interrupted run has every planner on the same finished episodes; the episodes
+    `skipped` (--held-out) by none."""
+    decoders, skipped = set(settings.decoders), set(settings.skipped)
+    episodes = [
+        (scenario, episode_seed(settings.seed, scenario, j))
         for j in range(settings.episodes)
         for scenario in settings.scenarios
+    ]
+    return [
+        Job(label, label if label in decoders else None, scenario, seed)
+        for scenario, seed in episodes
+        if (scenario, seed) not in skipped
         for label in settings.labels
     ]
 
@@ -367,7 +385,13 @@ def run_drive(
 def title(settings: DriveSettings) -> str:
     """The title of the run's table and PNG."""
     mode = settings.latency.mode + (f" {settings.latency.fixed_ms}" if settings.latency.mode == "fixed" else "")
+    episodes = f"{settings.episodes} episode(s) per scenario{held_out_note(settings)}"
     return (
-        f"{settings.model}: {settings.episodes} episode(s) per scenario, seed {settings.seed}, latency {mode}, "
-        f"replanning every {settings.replan_s} s ({settings.device})"
+        f"{settings.model}: {episodes}, seed {settings.seed}, latency {mode}, replanning every {settings.replan_s} s "
+        f"({settings.device})"
     )
+
+
+def held_out_note(settings: DriveSettings) -> str:
+    """What a title says of the episodes --held-out left out ('' when none)."""
+    return f" less {len(settings.skipped)} trained on" if settings.skipped else ""

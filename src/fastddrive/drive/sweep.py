@@ -31,6 +31,7 @@ from fastddrive.drive.run import (
     DriveSettings,
     EpisodeOutcome,
     check_settings,
+    held_out_note,
     plan_jobs,
     result_path,
     run_drive,
@@ -74,7 +75,7 @@ class SweepReport:
             return title(self.runs[0].settings)
         s = self.runs[0].settings
         return (
-            f"{s.model}: {s.episodes} episode(s) per scenario, seed {s.seed}, latency swept over "
+            f"{s.model}: {s.episodes} episode(s) per scenario{held_out_note(s)}, seed {s.seed}, latency swept over "
             f"{', '.join(f'{ms:g}' for ms in self.sweep_ms)} ms, replanning every {s.replan_s} s ({s.device})"
         )
 
