@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Annotated
 
@@ -132,6 +132,11 @@ def user_errors() -> Iterator[None]:
     except (*known, FileNotFoundError, IndexError) as err:
         Console(stderr=True).print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
+
+
+def first_few(items: Sequence[str], shown: int = 3) -> str:
+    """The first `shown` items, comma-separated, with ', ...' when there are more: a long list in one line."""
+    return ", ".join(items[:shown]) + (", ..." if len(items) > shown else "")
 
 
 def progress_bar(disable: bool = False) -> Progress:

@@ -14,6 +14,7 @@ from fastddrive.cli.common import (
     ReplanOption,
     app,
     console,
+    first_few,
     progress_bar,
     user_errors,
 )
@@ -121,7 +122,7 @@ def drive_command(
     if trained_on:
         console.print(
             f"[yellow]warning:[/] {len(trained_on)} of the {total} episodes to drive are among those "
-            f"{escape(model)} was trained on ({_first(trained_on)}; its fastddrive.json): their scores are not "
+            f"{escape(model)} was trained on ({_named(trained_on)}; its fastddrive.json): their scores are not "
             "held-out figures (--json lists them; --held-out leaves them out)",
             highlight=False,
             soft_wrap=True,
@@ -129,7 +130,7 @@ def drive_command(
     if skipped := runs[0].skipped:
         console.print(
             f"held out: {len(skipped)} of the {total} episodes left out, those {escape(model)} was trained on "
-            f"({_first(skipped)}; --json lists them)",
+            f"({_named(skipped)}; --json lists them)",
             highlight=False,
             soft_wrap=True,
         )
@@ -189,6 +190,6 @@ def drive_command(
         raise typer.Exit(1)
 
 
-def _first(episodes: Sequence[tuple[str, int]]) -> str:
-    """The first three episodes, as 'lead-brake 2300000, ...'."""
-    return ", ".join(f"{name} {seed}" for name, seed in episodes[:3]) + (", ..." if len(episodes) > 3 else "")
+def _named(episodes: Sequence[tuple[str, int]]) -> str:
+    """The first few episodes, as 'lead-brake 2300000, cut-in 2300001, ...'."""
+    return first_few([f"{name} {seed}" for name, seed in episodes])

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from fastddrive.cli.common import app, console, progress_bar, user_errors
+from fastddrive.cli.common import app, console, first_few, progress_bar, user_errors
 
 
 @app.command("eval")
@@ -51,13 +51,12 @@ def eval_command(
             raise DatasetError(f"{data} has no {split} samples: nothing to evaluate")
         n = min(total, limit) if limit else total
         trained = training_episodes(read_info(model_path(model)).extra)
-        trained_on = samples_of_training_episodes(dataset, split, n, trained) if trained else []
+        trained_on = samples_of_training_episodes(dataset, split, n, trained)
         if trained_on and is_main_process():
             console.print(
                 f"[yellow]warning:[/] {len(trained_on)} of the {n} samples to evaluate are of episodes "
-                f"{escape(model)} was trained on ({escape(', '.join(trained_on[:3]))}"
-                f"{', ...' if len(trained_on) > 3 else ''}; its fastddrive.json): their figures are not held-out "
-                "ones (--json lists them)",
+                f"{escape(model)} was trained on ({escape(first_few(trained_on))}; its fastddrive.json): their figures "
+                "are not held-out ones (--json lists them)",
                 highlight=False,
                 soft_wrap=True,
             )

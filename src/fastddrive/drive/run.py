@@ -199,7 +199,6 @@ class DriveReport:
     summary_png: Path
     seconds: float
     failures: list[EpisodeOutcome] = field(default_factory=list)
-    trained_on: list[tuple[str, int]] = field(default_factory=list)  # training_episodes_driven(settings)
 
     def to_json(self) -> dict[str, Any]:
         s = self.settings
@@ -214,7 +213,9 @@ class DriveReport:
             "replan_s": s.replan_s,
             "duration_s": s.duration_s,
             "device": s.device,
-            "training_episodes_driven": [{"scenario": name, "seed": seed} for name, seed in self.trained_on],
+            "training_episodes_driven": [
+                {"scenario": name, "seed": seed} for name, seed in training_episodes_driven(s)
+            ],
             "training_episodes_skipped": [{"scenario": name, "seed": seed} for name, seed in s.skipped],
         }
         return {"settings": settings, "rows": self.rows}
@@ -378,8 +379,7 @@ def run_drive(
     failed = {label: sum(o.job.label == label for o in failures) for label in settings.labels}
     rows = summarise(results, settings.labels, failed)
     png = draw_summary(rows, settings.out / "summary.png", title=title(settings))
-    trained_on = training_episodes_driven(settings)
-    return DriveReport(settings, rows, outcomes, png, time.perf_counter() - began, failures, trained_on)
+    return DriveReport(settings, rows, outcomes, png, time.perf_counter() - began, failures)
 
 
 def title(settings: DriveSettings) -> str:

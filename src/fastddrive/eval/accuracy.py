@@ -334,11 +334,12 @@ def evaluate_split(
 def samples_of_training_episodes(
     dataset: DrivingDataset, split: str, limit: int, trained: frozenset[tuple[str, int]]
 ) -> list[str]:
-    """The ids of the split's first `limit` samples whose simulated episode is among `trained` (a model's record,
-    core/training_episodes.py): figures over them are not held-out ones."""
-    taught = dataset.simulated_episodes(split, range(limit)) & trained
+    """The ids of the split's first `limit` samples whose episode is among `trained` (a model's record, which holds
+    simulated episodes only: core/training_episodes.py): figures over them are not held-out ones."""
+    if not trained:
+        return []
     rows = dataset.table(split, columns=["sample_id", "scenario", "episode_seed"]).slice(0, limit).to_pylist()
-    return [row["sample_id"] for row in rows if (row["scenario"], row["episode_seed"]) in taught]
+    return [row["sample_id"] for row in rows if (row["scenario"], row["episode_seed"]) in trained]
 
 
 def _mean_nested(values: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:

@@ -544,9 +544,10 @@ def train(
         raise ConfigError(f"{out} already holds checkpoints; pass --resume to continue or choose another --out")
     check_training_memory(config, accelerator.device, say, refuse=check_memory)
 
-    # A resumed run's checkpoint already records the episodes it trains on.
-    episodes = () if checkpoint else taught_episodes(dataset, trajectories)
-    model = load_model(checkpoint.path, training=True) if checkpoint else initial_model(config, episodes)
+    if checkpoint:  # its fastddrive.json already records the episodes the run trains on
+        model = load_model(checkpoint.path, training=True)
+    else:
+        model = initial_model(config, taught_episodes(dataset, trajectories))
     model.model.to(accelerator.device, dtype=torch.bfloat16 if config.weights_dtype == "bfloat16" else None).train()
     scaffold = Scaffold(
         model.tokenizer,
