@@ -6,13 +6,17 @@ Stub planners stand in for the model wherever the model is not the point; the em
 
 import json
 import math
+import os
+import signal
 from itertools import pairwise
 
 import numpy as np
 import pytest
+import torch
 from highway_env.vehicle.kinematics import Vehicle
 
 from fastddrive.core.schema import CRITICAL_OBJECT_CLASSES, DrivingResponse, MetaBehavior
+from fastddrive.data.build import max_workers, usable_cpus
 from fastddrive.data.highway import SIMULATION_HZ, UnknownScenario, episode_samples, seeded_episode, simulate_episode
 from fastddrive.decode.registry import DecoderError
 from fastddrive.decode.result import DecodeResult
@@ -309,3 +313,84 @@ def test_the_embedded_model_drives_with_measured_latency_and_video(tmp_path):
     assert gif.stat().st_size > 10_000
     assert {"decoder", "episodes", "collision_rate", "offroad_rate", "route_completion", "driving_score"} <= set(row)
     assert {"mean_speed_mps", "latency_ms", "by_scenario"} <= set(row)
+
+
+class DyingPlanner(StubPlanner):
+    """Kills its own process at its first question, as the out-of-memory killer would, once per `marker`."""
+
+    def __init__(self, marker: str):
+        super().__init__(0.0)
+        self.marker = marker
+
+    def plan(self, decoder, images, history, command, **options):
+        if not os.path.exists(self.marker):
+            open(self.marker, "x").close()  # noqa: SIM115 - only its existence counts
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().plan(decoder, images, history, command, **options)
+
+
+def _stored(folder) -> dict[str, dict]:
+    """Every episode's stored result without the measured and wall times of its questions (what a process's speed
+    sets; the latency charged stays)."""
+    results = {}
+    for path in (folder / "episodes").glob("*.json"):
+        result = json.loads(path.read_text())
+        result["plans"] = [plan[:4] + plan[6:] for plan in result["plans"]]
+        results[path.name] = result
+    return results
+
+
+def _without_times(rows):
+    timed = ("measured_ms", "wall_s_per_call", "by_scenario")  # by_scenario holds both per scenario
+    return [{k: v for k, v in row.items() if k not in timed} for row in rows]
+
+
+def test_workers_drive_the_same_episodes_as_one_process(tmp_path):
+    common = dict(decoders="ss", scenarios="merge,roundabout", episodes=2, latency="fixed:200", duration_s=5.0)
+    alone = run_drive(check_settings(out=tmp_path / "one", **common), StubPlanner(0.0))
+    side_by_side = run_drive(check_settings(out=tmp_path / "two", workers=2, **common), StubPlanner(0.0))
+    assert not side_by_side.failures and len(side_by_side.outcomes) == 16
+    assert [o.job for o in side_by_side.outcomes] == [o.job for o in alone.outcomes]  # the same order
+    assert _stored(tmp_path / "two") == _stored(tmp_path / "one")
+    assert _without_times(side_by_side.rows) == _without_times(alone.rows)
+
+
+def test_the_embedded_model_drives_the_same_in_workers(tmp_path):
+    # Each worker loads the model itself, with the usable CPUs shared out as torch threads: one process given
+    # as many threads drives the same episodes to the same results.
+    common = dict(decoders="ss", scenarios="cut-in,late-stop", latency="zero", duration_s=5.0, references=False)
+    side_by_side = run_drive(check_settings(out=tmp_path / "two", workers=2, **common))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, usable_cpus() // 2))
+    try:
+        alone = run_drive(check_settings(out=tmp_path / "one", **common))
+    finally:
+        torch.set_num_threads(threads)
+    assert not side_by_side.failures and side_by_side.rows[0]["planner_calls"] >= 4
+    assert _stored(tmp_path / "two") == _stored(tmp_path / "one")
+    assert _without_times(side_by_side.rows) == _without_times(alone.rows)
+
+
+def test_a_worker_that_dies_fails_its_episode_only_and_a_rerun_drives_it(tmp_path):
+    settings = check_settings(
+        decoders="ss", scenarios="merge,roundabout", episodes=2, latency="zero", duration_s=5.0, workers=2, out=tmp_path
+    )
+    report = run_drive(settings, DyingPlanner(str(tmp_path / "died")))
+    (failure,) = report.failures
+    assert failure.job.label == "ss"
+    assert failure.error == "its worker process died (killed by SIGKILL, as the out-of-memory killer does)"
+    assert len([o for o in report.outcomes if o.result is not None]) == 15
+    started = []
+    again = run_drive(settings, StubPlanner(0.0), lambda todo, done: started.append((todo, done)))
+    assert started == [(1, 15)] and not again.failures
+
+
+def test_worker_counts_are_refused_in_one_line():
+    with pytest.raises(DriveError, match=r"--workers 0 is out of range: give 1 to \d+"):
+        check_settings(workers=0)
+    with pytest.raises(DriveError, match=f"--workers {max_workers() + 1} is out of range"):
+        check_settings(workers=max_workers() + 1)
+    with pytest.raises(DriveError, match="--workers 2 with --latency measured"):
+        check_settings(decoders="ss", latency="measured", workers=2)
+    assert check_settings(decoders=(), latency="measured", workers=2).workers == 2  # references never wait
+    assert check_settings(decoders="ss", latency="fixed:100", workers=2).workers == 2

@@ -63,6 +63,13 @@ def drive_command(
         ),
     ] = False,
     device: Annotated[str, typer.Option(help="cpu, cuda, ...")] = "cpu",
+    workers: Annotated[
+        int,
+        typer.Option(
+            help="Processes driving episodes side by side, 1 to twice the CPUs this process may use; each loads "
+            "its own copy of the model. The same results as one; not with --latency measured."
+        ),
+    ] = 1,
     out: Annotated[
         Path, typer.Option(help="Folder of the per-episode results (a re-run resumes) and summary.png.")
     ] = Path("runs/drive"),
@@ -112,6 +119,7 @@ def drive_command(
             out=out,
             video=video,
             held_out=held_out,
+            workers=workers,
         )
         if mark is not None and plot is None:
             raise DriveError("--mark needs --plot: it marks latencies on the latency curve")

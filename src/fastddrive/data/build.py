@@ -34,21 +34,18 @@ DAgger collection (drive/dagger.py) writes its data sets through it.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import re
 import shutil
-import signal
 import time
 import traceback
-from collections import deque
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
+from functools import partial
 from importlib.metadata import version
-from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from fastddrive.core.memory import check_allocation
 from fastddrive.core.outputs import (
@@ -59,6 +56,7 @@ from fastddrive.core.outputs import (
     staged_folder,
     write_bytes,
 )
+from fastddrive.core.worker_pool import run_in_workers
 from fastddrive.data.dataset import (
     DATASET_FORMAT,
     MANIFEST,
@@ -395,6 +393,10 @@ def _kept_episodes(
 EpisodeRunner = Callable[[str, EpisodeJob], EpisodeResult]
 
 
+def _worker_died(job: EpisodeJob, seconds: float, how: str) -> EpisodeResult:
+    return EpisodeResult(job, 0, seconds, error=f"{WORKER_DIED} ({how})")
+
+
 def overwrite_staging(out: Path) -> Path:
     """Where `build_dataset(..., overwrite=True)` builds the replacement of the data set in `out`: a fixed name
     beside it, so that an interrupted replacement is resumed."""
@@ -536,7 +538,7 @@ def _build_into(
         for job in todo:
             deliver(run(str(out), job))
     else:
-        _run_in_workers(str(out), todo, workers, run, deliver, note)
+        run_in_workers(todo, workers, partial(run, str(out)), deliver, note, _worker_died)
     failed = [r for r in results if r.error is not None]
     complete = not failed and len(records) == len(jobs)
     write_manifest(out, settings, complete=complete, counts=counts(), shards=records)
@@ -549,117 +551,3 @@ def _build_into(
         repaired=problems,
         complete=complete,
     )
-
-
-# --- worker processes ---------------------------------------------------------------------------------------
-
-
-def _serve_episodes(connection: Connection, root: str, run: EpisodeRunner) -> None:
-    """A worker process: run each job it is sent until it is sent None. Ctrl-C reaches the workers too: the
-    main process reports it, so a worker just stops."""
-    with suppress(KeyboardInterrupt, EOFError, BrokenPipeError):
-        while (job := connection.recv()) is not None:
-            connection.send(run(root, job))
-
-
-def how_it_ended(exitcode: int | None) -> str:
-    """A process's exit code in words."""
-    if exitcode is not None and exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"killed by {name}" + (", as the out-of-memory killer does" if name == "SIGKILL" else "")
-    return f"exit status {exitcode}"
-
-
-@dataclass
-class _Worker:
-    """One worker process, the main process's end of its pipe, and the episode it holds."""
-
-    process: multiprocessing.process.BaseProcess
-    connection: Connection
-    job: EpisodeJob | None = None
-    since: float = 0.0
-
-    @classmethod
-    def start(cls, context: Any, root: str, run: EpisodeRunner) -> _Worker:
-        ours, theirs = context.Pipe()
-        process = context.Process(target=_serve_episodes, args=(theirs, root, run), daemon=True)
-        process.start()
-        theirs.close()
-        return cls(process, ours)
-
-    def give(self, job: EpisodeJob) -> None:
-        """Send `job`. A process that died meanwhile cannot take it: `take` then reports how it ended."""
-        self.job, self.since = job, time.perf_counter()
-        with suppress(OSError):
-            self.connection.send(job)
-
-    def take(self) -> EpisodeResult:
-        """The result of the job it held (once its pipe or its process is ready), or a failure naming how the
-        process ended."""
-        job, self.job = self.job, None
-        assert job is not None
-        with suppress(EOFError, OSError):
-            if self.connection.poll():
-                return self.connection.recv()
-        self.process.join()
-        return EpisodeResult(
-            job, 0, time.perf_counter() - self.since, error=f"{WORKER_DIED} ({how_it_ended(self.process.exitcode)})"
-        )
-
-    def stop(self) -> None:
-        if self.job is None and self.process.is_alive():
-            with suppress(OSError):
-                self.connection.send(None)
-            self.process.join(timeout=10)
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join()
-        self.connection.close()
-
-
-def _run_in_workers(
-    root: str,
-    todo: list[EpisodeJob],
-    workers: int,
-    run: EpisodeRunner,
-    deliver: Callable[[EpisodeResult], None],
-    record: Callable[[EpisodeResult], None],
-) -> None:
-    """Run `todo` in up to `workers` spawned processes, `deliver`ing each result as it comes. A worker that dies
-    fails its episode (named with how the process ended) and is replaced for the remaining ones.
-
-    On Ctrl-C (or an error in `deliver`) no further episode starts; the episodes running finish and are
-    `record`ed (their shards are written) unless interrupted too; a rerun resumes the rest."""
-    context = multiprocessing.get_context("spawn")
-    queue = deque(todo)
-    pool: list[_Worker] = []
-    try:
-        try:
-            while queue or any(w.job for w in pool):
-                for worker in [w for w in pool if w.job is None and not w.process.is_alive()]:
-                    worker.stop()  # died between episodes: nothing was lost
-                    pool.remove(worker)
-                for worker in pool:
-                    if worker.job is None and queue:
-                        worker.give(queue.popleft())
-                while queue and len(pool) < workers:
-                    pool.append(_Worker.start(context, root, run))
-                    pool[-1].give(queue.popleft())
-                busy = [w for w in pool if w.job]
-                ready = set(wait([w.connection for w in busy] + [w.process.sentinel for w in busy]))
-                for worker in busy:
-                    if worker.connection in ready or worker.process.sentinel in ready:
-                        deliver(worker.take())
-        except BaseException:
-            for worker in [w for w in pool if w.job]:
-                wait([worker.connection, worker.process.sentinel])
-                result = worker.take()
-                if result.error is None:
-                    record(result)
-            raise
-    finally:
-        for worker in pool:
-            worker.stop()

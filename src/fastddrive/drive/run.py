@@ -16,16 +16,20 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from fastddrive.core.memory import check_allocation
 from fastddrive.core.outputs import check_folder_destination, write_bytes
 from fastddrive.core.sample import HISTORY_COLUMNS, HISTORY_STEPS
 from fastddrive.core.schema import NUM_WAYPOINTS, WAYPOINT_INTERVAL_S
 from fastddrive.core.training_episodes import training_episodes
+from fastddrive.core.worker_pool import run_in_workers
+from fastddrive.data.build import WORKER_BYTES, WORKER_DIED, WORKERS_PER_CPU, max_workers, usable_cpus
 from fastddrive.data.episodes import MAX_SEED, SEED_STRIDE
 from fastddrive.data.highway import DEFAULT_SCENARIOS, FRAME_SIZE_PX, REACTIVE_SCENARIOS, check_scenarios
 from fastddrive.decode.registry import parse_decoder_spec, split_decoders
@@ -72,6 +76,7 @@ class DriveSettings(BaseModel):
     video: Path | None = None
     # With --held-out: the episodes the model was trained on (training_episodes_driven), left out for every planner.
     skipped: tuple[tuple[str, int], ...] = ()
+    workers: int = 1  # processes driving episodes side by side (check_settings bounds it)
 
     @field_validator("seed")
     @classmethod
@@ -154,8 +159,34 @@ def check_settings(
                 f"--held-out leaves nothing to drive: {settings.model} was trained on every episode of "
                 f"seed {settings.seed} asked for; choose another --seed"
             )
+    check_workers(settings)
     check_destinations(settings)
     return settings
+
+
+def check_workers(settings: DriveSettings) -> None:
+    """DriveError (one line) for a worker count outside 1 to twice the usable CPUs, or above 1 with a measured
+    latency (the processes share the CPUs, so each answer's time would not be the decoder's); MemoryBudgetError
+    when the workers' copies of the model would not fit."""
+    from fastddrive.engine.model_files import model_path
+
+    workers, limit = settings.workers, max_workers()
+    if not 1 <= workers <= limit:
+        raise DriveError(
+            f"--workers {workers} is out of range: give 1 to {limit} ({WORKERS_PER_CPU} per usable CPU; this "
+            f"process may use {usable_cpus()})"
+        )
+    if workers == 1:
+        return
+    if settings.decoders and settings.latency.mode == "measured":
+        raise DriveError(
+            f"--workers {workers} with --latency measured: processes sharing the CPUs would time each other's "
+            "answers; give --latency fixed:MS or zero, or --workers 1"
+        )
+    weights = 0
+    if settings.decoders:
+        weights = sum(p.stat().st_size for p in model_path(settings.model).glob("*.safetensors"))
+    check_allocation(f"--workers {workers}", workers * (WORKER_BYTES + weights))  # each loads its own copy
 
 
 def check_destinations(settings: DriveSettings) -> None:
@@ -213,6 +244,7 @@ class DriveReport:
             "replan_s": s.replan_s,
             "duration_s": s.duration_s,
             "device": s.device,
+            "workers": s.workers,
             "training_episodes_driven": [
                 {"scenario": name, "seed": seed} for name, seed in training_episodes_driven(s)
             ],
@@ -319,6 +351,83 @@ def warm_up(policies: dict[str, Policy]) -> None:
             )
 
 
+def make_policies(
+    settings: DriveSettings, planner: Planner | None, decoders: bool, warm: bool
+) -> dict[str, Policy | None]:
+    """The planners of a run: the references and, with `decoders`, one DecoderPolicy per decoder answered by
+    `planner` (else `settings.model`, loaded), given one untimed answer each with `warm`."""
+    policies: dict[str, Policy | None] = {
+        EXPERT_DRIVES: None,
+        EXPERT_PLANS: ExpertPolicy(settings.replan_s),
+        CONSTANT_VELOCITY: ConstantVelocityPolicy(),
+    }
+    if not decoders or not settings.decoders:
+        return policies
+    if planner is None:
+        from fastddrive.planner import load
+
+        planner = load(settings.model, device=settings.device)
+    for spec in settings.decoders:
+        name, options = parse_decoder_spec(spec)
+        policies[spec] = DecoderPolicy(planner, spec, name, options)
+    if warm:
+        warm_up(policies)
+    return policies
+
+
+def drive_job(settings: DriveSettings, policies: dict[str, Policy | None], job: Job) -> EpisodeOutcome:
+    """Drive one episode and write its result (and its GIF) atomically; a crash is the outcome's traceback."""
+    latency = settings.latency.describe(job.decoder)
+    try:
+        trace = drive_episode(
+            job.scenario,
+            job.seed,
+            policies[job.label],
+            lambda p, decoder=job.decoder: settings.latency.charge_ms(decoder, p.measured_ms),
+            replan_s=settings.replan_s,
+            duration_s=settings.duration_s,
+            video=settings.video is not None,
+        )
+        result = episode_result(trace, job.decoder, latency)
+        write_bytes(result_path(settings, job), json.dumps(result, allow_nan=False).encode())
+        if settings.video is not None:
+            write_gif(trace, gif_path(settings.video, job.label, latency, job.scenario, job.seed))
+        return EpisodeOutcome(job, result)
+    except Exception:  # one episode's crash is reported; the others go on
+        return EpisodeOutcome(job, None, traceback.format_exc())
+
+
+@dataclass(frozen=True)
+class EpisodeDriver:
+    """A worker process's task: `drive_job` with the process's own planners, made once, on its first episode
+    (picklable: `planner`, when given, is copied into each process; else each loads `settings.model`)."""
+
+    settings: DriveSettings
+    planner: Planner | None = None
+    decoders: bool = True  # whether any episode to drive is a decoder's (else no model is loaded)
+    threads: int = 1  # torch threads of a worker: the usable CPUs shared out
+
+    @cached_property
+    def policies(self) -> dict[str, Policy | None]:
+        if self.decoders:
+            import torch
+            import transformers
+
+            torch.set_num_threads(self.threads)
+            # Worker processes do not import the command line, which turns transformers' "Loading weights" bar
+            # off: it would break into the progress bar.
+            transformers.utils.logging.disable_progress_bar()
+        # warmed up whatever the latency: the rows report each answer's measured time, not a cold first call's
+        return make_policies(self.settings, self.planner, self.decoders, warm=True)
+
+    def __call__(self, job: Job) -> EpisodeOutcome:
+        return drive_job(self.settings, self.policies, job)
+
+
+def _worker_died(job: Job, seconds: float, how: str) -> EpisodeOutcome:
+    return EpisodeOutcome(job, None, f"{WORKER_DIED} ({how})")
+
+
 def run_drive(
     settings: DriveSettings,
     planner: Planner | None = None,
@@ -326,7 +435,9 @@ def run_drive(
     on_episode: Callable[[EpisodeOutcome], None] | None = None,
 ) -> DriveReport:
     """Drive every planner of `settings` on the same episodes; `planner` (else `settings.model` is loaded)
-    answers for the decoders. on_start(todo, already done) once, on_episode(outcome) after each episode."""
+    answers for the decoders. on_start(todo, already done) once, on_episode(outcome) after each episode. With
+    `settings.workers` above 1 the episodes are driven in that many processes (`EpisodeDriver`), with the same
+    results and the outcomes in the same order."""
     began = time.perf_counter()
     jobs = plan_jobs(settings)
     outcomes, todo = [], []
@@ -338,42 +449,24 @@ def run_drive(
             outcomes.append(EpisodeOutcome(job, stored))
     if on_start is not None:
         on_start(len(todo), len(outcomes))
-    policies: dict[str, Policy | None] = {
-        EXPERT_DRIVES: None,
-        EXPERT_PLANS: ExpertPolicy(settings.replan_s),
-        CONSTANT_VELOCITY: ConstantVelocityPolicy(),
-    }
-    if any(job.decoder for job in todo):
-        from fastddrive.planner import load
+    decoders = any(job.decoder for job in todo)
+    if settings.workers > 1 and len(todo) > 1:
+        driver = EpisodeDriver(settings, planner, decoders, threads=max(1, usable_cpus() // settings.workers))
 
-        planner = planner or load(settings.model, device=settings.device)
-        for spec in settings.decoders:
-            name, options = parse_decoder_spec(spec)
-            policies[spec] = DecoderPolicy(planner, spec, name, options)
-        if settings.latency.mode == "measured":
-            warm_up(policies)
-    for job in todo:
-        latency = settings.latency.describe(job.decoder)
-        try:
-            trace = drive_episode(
-                job.scenario,
-                job.seed,
-                policies[job.label],
-                lambda p, decoder=job.decoder: settings.latency.charge_ms(decoder, p.measured_ms),
-                replan_s=settings.replan_s,
-                duration_s=settings.duration_s,
-                video=settings.video is not None,
-            )
-            result = episode_result(trace, job.decoder, latency)
-            write_bytes(result_path(settings, job), json.dumps(result, allow_nan=False).encode())
-            if settings.video is not None:
-                write_gif(trace, gif_path(settings.video, job.label, latency, job.scenario, job.seed))
-            outcome = EpisodeOutcome(job, result)
-        except Exception:  # one episode's crash is reported; the others go on
-            outcome = EpisodeOutcome(job, None, traceback.format_exc())
-        outcomes.append(outcome)
-        if on_episode is not None:
-            on_episode(outcome)
+        def deliver(outcome: EpisodeOutcome) -> None:
+            outcomes.append(outcome)
+            if on_episode is not None:
+                on_episode(outcome)
+
+        run_in_workers(todo, settings.workers, driver, deliver, outcomes.append, _worker_died)
+    else:
+        policies = make_policies(settings, planner, decoders, warm=settings.latency.mode == "measured")
+        for job in todo:
+            outcomes.append(drive_job(settings, policies, job))
+            if on_episode is not None:
+                on_episode(outcomes[-1])
+    order = {job: i for i, job in enumerate(jobs)}
+    outcomes.sort(key=lambda outcome: order[outcome.job])  # as one process drives them, whatever finished first
     results = [o.result for o in outcomes if o.result is not None]
     failures = [o for o in outcomes if o.error is not None]
     failed = {label: sum(o.job.label == label for o in failures) for label in settings.labels}

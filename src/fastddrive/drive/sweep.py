@@ -162,7 +162,7 @@ def run_sweep(
     """Drive each of `runs` (from check_sweep) in turn; `planner` (else the model, loaded once when an episode
     needs it) answers for the decoders. on_start(settings, todo, already done) as each run starts."""
     began = time.perf_counter()
-    if _needs_model(runs):
+    if _needs_model(runs) and runs[0].workers == 1:  # with workers, each process loads its own copy
         if planner is None:
             from fastddrive.planner import load
 
