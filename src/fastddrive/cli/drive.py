@@ -67,7 +67,7 @@ def drive_command(
         int,
         typer.Option(
             help="Processes driving episodes side by side, 1 to twice the CPUs this process may use; each loads "
-            "its own copy of the model. The same results as one; not with --latency measured."
+            "its own copy of the model. One process's results, but for the times taken; not with --latency measured."
         ),
     ] = 1,
     out: Annotated[

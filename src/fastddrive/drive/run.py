@@ -1,6 +1,6 @@
-"""A closed-loop run: settings checked before any costly work, every planner on the same episodes, each
-episode's result written atomically as it finishes, so that Ctrl-C keeps what is done and a re-run with the
-same settings resumes; then the rows, the table and the PNG summary.
+"""A closed-loop run: settings checked before any costly work, every planner on the same episodes (in one process,
+or in `workers` processes side by side), each episode's result written atomically as it finishes, so that Ctrl-C
+keeps what is done and a re-run with the same settings resumes; then the rows, the table and the PNG summary.
 
 Episode j of scenario s uses the seed the data generator gives its episode i = j * 5 + (the index of s among
 the five default scenarios) for `seed` (seed * 100000 + i), whichever scenarios are chosen; a reactive
