@@ -243,7 +243,6 @@ def nothing_runs(monkeypatch):
         (["--side-by-side", "ar,ss"], "needs --video"),
         (["--workers", "0"], "--workers 0 is out of range"),
         (["--workers", "2"], "--workers 2 with --latency measured"),
-        (["--workers", "2", "--latency", "sweep:0,250", "--json", "rows.txt"], "--json"),
     ],
 )
 def test_bad_sweep_plot_and_video_options_are_refused_in_one_line(tmp_path, monkeypatch, args, phrase, nothing_runs):
