@@ -134,12 +134,25 @@ def check_build_settings(episodes: int, seed: int, workers: int = 1, model_bytes
     workers, MemoryBudgetError when they would hold more than the budget (each its own copy of a model of
     `model_bytes`, where one drives)."""
     check_episode_settings(episodes, seed)
+    if problem := workers_problem(workers):
+        raise DataSettingsError(problem)
+    check_workers_memory(workers, model_bytes)
+
+
+def workers_problem(workers: int) -> str | None:
+    """Why a worker count is out of range (1 to twice the usable CPUs), or None."""
     limit = max_workers()
     if not _whole(workers) or not 1 <= workers <= limit:
-        raise DataSettingsError(
+        return (
             f"--workers {workers} is out of range: give 1 to {limit} ({WORKERS_PER_CPU} per usable CPU; "
             f"this process may use {usable_cpus()})"
         )
+    return None
+
+
+def check_workers_memory(workers: int, model_bytes: int = 0) -> None:
+    """MemoryBudgetError when `workers` processes (more than one), each with its own copy of a model of
+    `model_bytes`, would hold more than the budget."""
     if workers > 1:
         check_allocation(f"--workers {workers}", workers * (WORKER_BYTES + model_bytes))
 

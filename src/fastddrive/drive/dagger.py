@@ -338,9 +338,11 @@ def build_dagger(
     callbacks and the report are data/build.build_dataset's. `make_policy()` gives each episode's policy in
     place of the model's decoder (recorded in the settings by its import path; with workers it must be picklable)."""
     if make_policy is None:
+        from fastddrive.engine.model_files import weights_bytes
+
         folder = model_folder(settings.model)
-        weights = sum(p.stat().st_size for p in folder.glob("*.safetensors"))  # each worker loads its own copy
-        check_build_settings(settings.episodes, settings.seed, workers, model_bytes=weights)
+        # each worker loads its own copy
+        check_build_settings(settings.episodes, settings.seed, workers, model_bytes=weights_bytes(folder))
         planner: dict[str, object] = {
             "model": settings.model,
             "model_sha256": model_digest(folder),

@@ -23,13 +23,12 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from fastddrive.core.memory import check_allocation
 from fastddrive.core.outputs import check_folder_destination, write_bytes
 from fastddrive.core.sample import HISTORY_COLUMNS, HISTORY_STEPS
 from fastddrive.core.schema import NUM_WAYPOINTS, WAYPOINT_INTERVAL_S
 from fastddrive.core.training_episodes import training_episodes
 from fastddrive.core.worker_pool import run_in_workers
-from fastddrive.data.build import WORKER_BYTES, WORKER_DIED, WORKERS_PER_CPU, max_workers, usable_cpus
+from fastddrive.data.build import WORKER_DIED, check_workers_memory, usable_cpus, workers_problem
 from fastddrive.data.episodes import MAX_SEED, SEED_STRIDE
 from fastddrive.data.highway import DEFAULT_SCENARIOS, FRAME_SIZE_PX, REACTIVE_SCENARIOS, check_scenarios
 from fastddrive.decode.registry import parse_decoder_spec, split_decoders
@@ -168,25 +167,17 @@ def check_workers(settings: DriveSettings) -> None:
     """DriveError (one line) for a worker count outside 1 to twice the usable CPUs, or above 1 with a measured
     latency (the processes share the CPUs, so each answer's time would not be the decoder's); MemoryBudgetError
     when the workers' copies of the model would not fit."""
-    from fastddrive.engine.model_files import model_path
+    from fastddrive.engine.model_files import model_path, weights_bytes
 
-    workers, limit = settings.workers, max_workers()
-    if not 1 <= workers <= limit:
-        raise DriveError(
-            f"--workers {workers} is out of range: give 1 to {limit} ({WORKERS_PER_CPU} per usable CPU; this "
-            f"process may use {usable_cpus()})"
-        )
-    if workers == 1:
-        return
-    if settings.decoders and settings.latency.mode == "measured":
+    workers = settings.workers
+    if problem := workers_problem(workers):
+        raise DriveError(problem)
+    if workers > 1 and settings.decoders and settings.latency.mode == "measured":
         raise DriveError(
             f"--workers {workers} with --latency measured: processes sharing the CPUs would time each other's "
             "answers; give --latency fixed:MS or zero, or --workers 1"
         )
-    weights = 0
-    if settings.decoders:
-        weights = sum(p.stat().st_size for p in model_path(settings.model).glob("*.safetensors"))
-    check_allocation(f"--workers {workers}", workers * (WORKER_BYTES + weights))  # each loads its own copy
+    check_workers_memory(workers, weights_bytes(model_path(settings.model)) if settings.decoders else 0)
 
 
 def check_destinations(settings: DriveSettings) -> None:

@@ -161,6 +161,12 @@ def model_path(name: str) -> Path:
     return assets / name if (assets / name / "config.json").is_file() else Path(name)
 
 
+def weights_bytes(folder: Path) -> int:
+    """The size on disk of a model folder's weights (its *.safetensors files): what each process holding a copy
+    of the model loads."""
+    return sum(file.stat().st_size for file in folder.glob("*.safetensors"))
+
+
 def read_info(path: Path) -> CheckpointInfo:
     """The folder's fastddrive.json (defaults without one), each key checked: one line naming a bad one."""
     file = path / INFO_FILE
